@@ -1,0 +1,55 @@
+"""CompiledModule: what compile_for returns.
+
+The rewritten root is re-classed as `Compiled<YourModel>(CompiledModule, YourModel)`: it *is* an
+instance of the user's class (HF methods, `config`, `generate` keep working), its state_dict keys
+and parameter names are the original's, and it adds `report`, `history`, `program` and
+`unwrap()`. When the whole model is one captured region, its forward runs the graph; otherwise
+the original forward runs and the region modules inside it run theirs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from retarget.modules import sync_weights_into
+from retarget.region import RegionModule
+
+if TYPE_CHECKING:
+    from retarget.program import PassRecord, Program
+    from retarget.report import Report
+
+
+class CompiledModule(RegionModule):
+    """Mixin of the module returned by `retarget.compile_for`."""
+
+    _retarget_mixin = True
+
+    @property
+    def program(self) -> Program:
+        return self.__dict__["_retarget_program"]
+
+    @property
+    def report(self) -> Report:
+        """What was captured and what each pass did; prints as a table, `.to_dict()` for JSON."""
+        from retarget.report import Report
+
+        return Report(self.program)
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """Per pass: name, seconds, changed, stats, notes and region graph text after it."""
+        return self.program.history
+
+    def graphs(self, pass_name: str | None = None, when: str = "after") -> dict[str, str]:
+        """Region graph code now, or right before/after the named pass."""
+        if pass_name is None:
+            return self.program.graph_text()
+        return self.program.graphs_at(pass_name, when)
+
+    def unwrap(self) -> nn.Module:
+        """The original model object, carrying the current weights."""
+        original = self.program.original
+        sync_weights_into(self, original)
+        return original

@@ -1,0 +1,126 @@
+"""Capture: turn one module call into an fx graph, trying frontends in order.
+
+    export (torch.export non-strict, training IR) -> fx (symbolic_trace) -> dynamo (dynamo.export)
+
+The first frontend whose graph reproduces the module's eager outputs bit for bit on the call's
+real inputs wins; each earlier failure is kept as a one-line reason. When none succeeds the
+module stays eager (`Capture.graph is None`), which is not an error: every pass has a
+module-level form.
+
+A captured graph is specialised to one *call signature* (tensor shapes and dtypes, non-tensor
+argument values, train/eval flags, grad and autocast mode); `retarget.region` keeps one graph per
+signature and re-captures on a new one. Graph code reads parameters through `self.<path>` at
+every call (see `binding.py`), so one graph serves every repeat of a block and always sees the
+live weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from retarget.frontends import dynamo, export, fx
+from retarget.frontends.binding import CapturedGraph, relink_attributes
+from retarget.frontends.check import check_against_eager
+
+#: Frontends in the order they are tried; "eager" is what is left when all fail.
+FRONTENDS: dict[str, Callable[[nn.Module, tuple, dict], CapturedGraph]] = {
+    "export": export.capture,
+    "fx": fx.capture,
+    "dynamo": dynamo.capture,
+}
+EAGER = "eager"
+
+
+@dataclass
+class Capture:
+    """The outcome of capturing one call: a graph from `frontend`, or eager with reasons."""
+
+    frontend: str
+    graph: CapturedGraph | None
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def reason(self) -> str:
+        """Why the earlier frontends were not used, one clause per frontend."""
+        return "; ".join(f"{name}: {why}" for name, why in self.failures)
+
+
+@contextlib.contextmanager
+def quiet_tracer_logs() -> Iterator[None]:
+    """Silence the tracers' own output while trying them: a failure lands in the report."""
+    loggers = [logging.getLogger(name) for name in _TRACER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        # export prints the partial graph of a failed trace to stderr
+        sink = io.StringIO()
+        with (
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+_TRACER_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export")
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception, prefixed by its type, cut to `limit` characters."""
+    text = str(exc).strip().splitlines()
+    first = next((line.strip() for line in text if line.strip()), "")
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def capture_call(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    frontends: tuple[str, ...] = tuple(FRONTENDS),
+    check_modules: tuple[nn.Module, ...] = (),
+) -> Capture:
+    """Capture `module(*args, **kwargs)` with the first frontend that reproduces eager exactly.
+
+    `check_modules` are further modules of the same structure (repeats of a block) that the graph
+    must also reproduce, each called with the same inputs; a graph that is only right for
+    `module` is rejected.
+    """
+    start = time.perf_counter()
+    failures: list[tuple[str, str]] = []
+    # What the graph computes does not depend on autograd history; tracing inputs that carry it
+    # makes export lift intermediate tensors as constants.
+    traced_args, traced_kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+    for name in frontends:
+        try:
+            with quiet_tracer_logs():
+                graph = FRONTENDS[name](module, traced_args, traced_kwargs)
+            relink_attributes(graph.gm, module)
+            for target in (module, *check_modules):
+                check_against_eager(target, graph, args, kwargs)
+        except Exception as exc:  # a frontend failing is data for the report, not an error
+            failures.append((name, one_line(exc)))
+            continue
+        return Capture(name, graph, failures, time.perf_counter() - start)
+    return Capture(EAGER, None, failures, time.perf_counter() - start)
+
+
+__all__ = ["EAGER", "FRONTENDS", "Capture", "CapturedGraph", "capture_call", "one_line"]

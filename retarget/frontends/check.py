@@ -1,0 +1,78 @@
+"""Accept a captured graph only if it reproduces eager bit for bit on the real inputs.
+
+Both runs start from the same RNG state (so dropout draws the same mask) and the same buffers (so
+BatchNorm statistics are not advanced twice); afterwards RNG and buffers are put back, so checking
+leaves no trace on training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from retarget.frontends.binding import CapturedGraph
+
+
+class CaptureMismatch(AssertionError):
+    """The graph computes something other than the eager module."""
+
+
+def check_against_eager(
+    module: nn.Module, graph: CapturedGraph, args: tuple, kwargs: dict[str, Any]
+) -> None:
+    """Raise CaptureMismatch unless `graph` run on `module` equals `module`'s eager forward."""
+    private = graph.private_attributes(module)
+    with preserved_state(module), torch.no_grad():
+        with preserved_state(module):
+            expected = module.forward(*args, **kwargs)
+        got = graph.run(module, args, kwargs, private)
+    mismatch = first_difference(expected, got)
+    if mismatch:
+        raise CaptureMismatch(f"graph output differs from eager: {mismatch}")
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore the RNG streams and the module's buffers on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def first_difference(expected: Any, got: Any) -> str:
+    """Describe the first difference between two output trees, or '' when they are equal."""
+    flat_a, spec_a = tree_flatten(expected)
+    flat_b, spec_b = tree_flatten(got)
+    if spec_a != spec_b:
+        return f"output structure {spec_b} instead of {spec_a}"
+    for index, (a, b) in enumerate(zip(flat_a, flat_b, strict=True)):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return f"output {index}: {type(b).__name__} instead of {type(a).__name__}"
+        if not isinstance(a, torch.Tensor):
+            if a != b:
+                return f"output {index}: {b!r} instead of {a!r}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {index}: {b.dtype}{list(b.shape)} instead of {a.dtype}{list(a.shape)}"
+        if not torch.equal(a, b) and not _equal_with_nan(a, b):
+            diff = (a.double() - b.double()).abs().max().item()
+            return f"output {index}: max abs difference {diff:.3g}"
+    return ""
+
+
+def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.is_floating_point():
+        return False
+    both_nan = a.isnan() & b.isnan()
+    return bool(((a == b) | both_nan).all())

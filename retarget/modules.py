@@ -1,0 +1,76 @@
+"""Module-tree helpers: structural copies and dynamic subclasses.
+
+`compile_for` never edits the user's module objects. It works on a *structural copy*: every
+nn.Module in the tree is copied shallowly (own `_modules`, `_parameters`, `_buffers` and hook
+dicts) while parameters and buffers stay the very same tensors. Passes may then re-class, swap or
+re-parent modules freely, optimizers built on either tree update the same weights, and tied
+weights stay tied because a tensor shared in the original is shared in the copy.
+
+Behaviour is added with dynamic subclasses (as FSDP2's `fully_shard` does): an instance of
+`LlamaDecoderLayer` becomes a `RegionLlamaDecoderLayer(RegionModule, LlamaDecoderLayer)`, so
+`isinstance` checks, attributes and state_dict keys are exactly the original's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
+    """Copy the module tree without copying tensors; a module used twice is copied once."""
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    for key, value in module.__dict__.items():
+        if isinstance(value, (dict, set)):
+            clone.__dict__[key] = copy.copy(value)
+    for name, child in module._modules.items():
+        if child is not None:
+            clone._modules[name] = structural_copy(child, memo)
+    return clone
+
+
+def with_mixin(module: nn.Module, mixin: type) -> nn.Module:
+    """Re-class `module` in place as a subclass of (mixin, its class); idempotent."""
+    cls = type(module)
+    if isinstance(module, mixin):
+        return module
+    key = (mixin, cls)
+    if key not in _SUBCLASSES:
+        name = f"{mixin.__name__.removesuffix('Module')}{cls.__name__}"
+        _SUBCLASSES[key] = type(name, (mixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _SUBCLASSES[key]
+    return module
+
+
+def original_class(module: nn.Module) -> type:
+    """The user's class of a module that may carry retarget mixins."""
+    for cls in type(module).__mro__:
+        if not getattr(cls, "_retarget_mixin", False) and cls not in _SUBCLASSES.values():
+            return cls
+    return type(module)
+
+
+def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
+    """Make `target`'s state equal `source`'s where they are not already the same tensors.
+
+    Returns how many tensors were copied (0 when the trees share every tensor).
+    """
+    target_state = target.state_dict(keep_vars=True)
+    copied = 0
+    with torch.no_grad():
+        for key, value in source.state_dict(keep_vars=True).items():
+            dest = target_state[key]
+            if dest is value or not isinstance(value, torch.Tensor):
+                continue
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            dest.copy_(full.detach().to(dest.device))
+            copied += 1
+    return copied

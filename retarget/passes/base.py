@@ -1,0 +1,75 @@
+"""The pass contract.
+
+A pass declares what it is (`name`, one-line `summary`), what must run before it (`requires`:
+pass names or facts other passes `provides`), how it may change numbers (`numerics`), and its
+options as a frozen keyword-only dataclass. `run(program)` returns a `PassResult`; a pass with
+nothing to do returns `changed=False` and touches nothing. Unsupported patterns raise
+NotImplementedError naming the pass and the module path or node; the PassManager wraps every
+failure in a PassError that also names the passes that ran before.
+
+    class CountLinears(Pass):
+        name = "count_linears"
+        summary = "count nn.Linear modules"
+        def run(self, program):
+            n = sum(isinstance(m, nn.Linear) for m in program.module.modules())
+            return PassResult(changed=False, stats={"linears": n})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from retarget.program import Program
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """`exact`: bitwise equal to eager in fp32; `approx`: within rtol/atol of eager."""
+
+    kind: str = "exact"
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def __str__(self) -> str:
+        return "exact" if self.kind == "exact" else f"approx(rtol={self.rtol}, atol={self.atol})"
+
+
+EXACT = Numerics()
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass did: whether it changed the program, counters, and human-readable notes."""
+
+    changed: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoOptions:
+    """This pass takes no options."""
+
+
+class Pass:
+    """Base class of every pass; subclasses set the class attributes and implement run()."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    numerics: ClassVar[Numerics] = EXACT
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, options: Any = None):
+        self.options = self.Options() if options is None else options
+        if not isinstance(self.options, self.Options):
+            raise TypeError(f"pass '{self.name}' takes {self.Options.__name__}, got {options!r}")
+
+    def run(self, program: Program) -> PassResult:
+        raise NotImplementedError(f"pass '{self.name}' does not implement run()")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options})"

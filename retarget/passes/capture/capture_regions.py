@@ -1,0 +1,154 @@
+"""capture_regions: capture one graph per distinct block type and reuse it for every repeat.
+
+Modes (`compile_for(capture=...)`):
+- "regions" (default): every repeated block found by find_blocks is a region; glue code
+  (embeddings, HF wrappers, losses) stays eager. A model without repeated blocks is one region.
+  Capture cost is then independent of depth.
+- "whole": the whole model is one region; when it cannot be captured, regions are used.
+- "eager": nothing is captured.
+
+With example inputs, one probe forward (no grad, RNG and buffers restored) records the inputs
+each block receives; each block type is captured from its first repeat and checked bit for bit
+against eager on its first and last repeat. Without example inputs, regions are installed and
+captured at their first call. Either way a new call signature (another batch size, eval mode)
+is captured when first seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from retarget.frontends import FRONTENDS
+from retarget.frontends.check import preserved_state
+from retarget.modules import original_class, with_mixin
+from retarget.passes.base import Pass, PassResult
+from retarget.program import ROOT, Program
+from retarget.region import Region, RegionModule, running_eagerly
+
+MODES = ("regions", "whole", "eager")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions:
+    mode: str = "regions"
+    """regions | whole | eager (see the module docstring)."""
+    frontends: tuple[str, ...] = tuple(FRONTENDS)
+    """Frontends to try, in order; the rest of the order list is skipped."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"capture must be one of {MODES}, got {self.mode!r}")
+        unknown = [f for f in self.frontends if f not in FRONTENDS]
+        if unknown:
+            raise ValueError(f"unknown frontend {unknown[0]!r}; frontends: {tuple(FRONTENDS)}")
+
+
+class CaptureRegions(Pass):
+    name = "capture_regions"
+    summary = "capture one graph per distinct block type, reuse it for every repeat"
+    requires = ("blocks",)
+    provides = ("regions",)
+    Options = CaptureOptions
+
+    def run(self, program: Program) -> PassResult:
+        mode = self.options.mode
+        if mode == "eager":
+            return PassResult(changed=False, notes=("capture='eager': every module runs eagerly",))
+        notes: list[str] = []
+        regions: list[Region] = []
+        if mode == "whole":
+            root = self._region(ROOT, original_class(program.module).__name__, [""])
+            regions = self._capture_all(program, [root], notes)
+            if root.eager_only:
+                notes.append(f"whole model not capturable ({root.reason}); using regions")
+                self._uninstall(program, regions)
+                regions = []
+        if not regions:
+            regions = self._capture_all(program, self._block_regions(program, notes), notes)
+        program.regions = regions
+        return PassResult(changed=True, stats=_stats(regions), notes=tuple(notes))
+
+    def _capture_all(self, program: Program, regions: list[Region], notes: list[str]):
+        self._install(program, regions)
+        if program.example is None:
+            notes.append("no example_inputs: regions are captured lazily at their first call")
+            return regions
+        inputs = record_inputs(program.module, [r.paths for r in regions], program.example)
+        for region in regions:
+            self._capture(program, region, inputs, notes)
+        return regions
+
+    def _region(self, name: str, block_type: str, paths: list[str]) -> Region:
+        return Region(
+            name=name, block_type=block_type, paths=paths, frontends=self.options.frontends
+        )
+
+    def _block_regions(self, program: Program, notes: list[str]) -> list[Region]:
+        if not program.blocks:
+            notes.append("no repeated blocks: the whole model is one region")
+            return [self._region(ROOT, original_class(program.module).__name__, [""])]
+        return [self._region(g.name, g.block_type, list(g.paths)) for g in program.blocks]
+
+    def _install(self, program: Program, regions: list[Region]) -> None:
+        for region in regions:
+            for path in region.paths:
+                module = with_mixin(program.submodule(path), RegionModule)
+                module.__dict__["_retarget_region"] = region
+                module.__dict__["_retarget_path"] = path
+
+    def _uninstall(self, program: Program, regions: list[Region]) -> None:
+        for region in regions:
+            for path in region.paths:
+                program.submodule(path).__dict__.pop("_retarget_region", None)
+
+    def _capture(self, program: Program, region: Region, inputs: dict, notes: list[str]) -> None:
+        first = region.paths[0]
+        if first not in inputs:
+            notes.append(f"{region.name}: not called on the example inputs; captured at first call")
+            return
+        args, kwargs = inputs[first]
+        others = tuple(program.submodule(p) for p in region.paths[1:][-1:])
+        region.capture(program.submodule(first), args, kwargs, check=others)
+        if region.eager_only:
+            notes.append(f"{region.name}: eager ({region.reason})")
+
+
+def record_inputs(module: nn.Module, path_lists: list[list[str]], example) -> dict[str, Any]:
+    """Run the model once on the example and keep each path's first (args, kwargs)."""
+    wanted = {path for paths in path_lists for path in paths}
+    seen: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+    for path in wanted:
+        if path == "":
+            seen[""] = (example.args, example.kwargs)
+            continue
+
+        def hook(_module, args, kwargs, path=path) -> None:
+            if path not in seen:  # a pre-hook that returns a value would replace the inputs
+                seen[path] = (args, kwargs)
+
+        handles.append(module.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        if wanted - {""}:
+            with running_eagerly(tuple(module.modules())), preserved_state(module), torch.no_grad():
+                module(*example.args, **example.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _stats(regions: list[Region]) -> dict[str, Any]:
+    frontends: dict[str, int] = {}
+    for region in regions:
+        frontends[region.frontend] = frontends.get(region.frontend, 0) + 1
+    return {
+        "regions": len(regions),
+        "repeats": sum(r.repeats for r in regions),
+        "frontends": frontends,
+        "capture_seconds": round(sum(r.capture_seconds for r in regions), 4),
+    }

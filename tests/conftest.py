@@ -1,0 +1,42 @@
+"""Shared test helpers: run a model on zoo inputs and compare outputs and gradients exactly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.zoo import call, loss_of  # noqa: E402
+
+
+def step(model: torch.nn.Module, inputs, *, seed: int = 1, backward: bool = True):
+    """One forward (and backward) from a fixed RNG state; returns (loss, grads by name)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_of(call(model, inputs))
+    if backward:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same_step(a: torch.nn.Module, b: torch.nn.Module, inputs, *, backward=True) -> None:
+    """Loss and every gradient of `a` and `b` are bitwise equal."""
+    loss_a, grads_a = step(a, inputs, backward=backward)
+    loss_b, grads_b = step(b, inputs, backward=backward)
+    assert torch.equal(loss_a, loss_b), f"loss {loss_a.item()} != {loss_b.item()}"
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), f"grad of {name} differs"
+
+
+@pytest.fixture
+def fresh_rng():
+    state = torch.random.get_rng_state()
+    yield
+    torch.random.set_rng_state(state)

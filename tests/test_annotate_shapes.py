@@ -1,0 +1,42 @@
+"""annotate_shapes: counted FLOPs, shapes and parameter counts."""
+
+from __future__ import annotations
+
+import torch
+
+import retarget
+from tests.zoo import ZOO
+
+
+def test_linear_flops_and_shapes_are_exact():
+    entry = ZOO["mnist_cnn"]
+    compiled = retarget.compile_for(entry.factory(), example_inputs=entry.inputs(4))
+    fc1 = compiled.program.analysis["modules"]["fc1"]
+    assert fc1["flops"] == 2 * 4 * 9216 * 128
+    assert fc1["inputs"] == ["float32[4, 9216]"] and fc1["outputs"] == ["float32[4, 128]"]
+    assert fc1["weight"] == "float32[128, 9216]"
+    conv2 = compiled.program.analysis["modules"]["conv2"]
+    assert conv2["flops"] == 2 * 4 * 24 * 24 * 64 * 32 * 9
+
+
+def test_region_entries_sum_their_repeats():
+    entry = ZOO["tiny_llama"]
+    compiled = retarget.compile_for(entry.factory(), example_inputs=entry.inputs(2))
+    region = compiled.program.analysis["regions"]["model.layers.*"]
+    assert region["repeats"] == 2
+    assert region["flops"] == 2 * region["flops_per_repeat"] > 0
+    assert region["inputs"][0] == "float32[2, 16, 64]"
+    assert region["graph_nodes_annotated"] > 10
+    graph = compiled.program.regions[0].representative().gm
+    linear = next(
+        iter(graph.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default))
+    )
+    assert linear.meta["shape"] == (2, 16, 64) and linear.meta["dtype"] == torch.float32
+
+
+def test_without_example_inputs_only_parameters_are_known():
+    compiled = retarget.compile_for(ZOO["mnist_cnn"].factory())
+    record = compiled.history[-1]
+    assert record.notes == ("no example_inputs: shapes and FLOPs unknown",)
+    assert compiled.program.analysis["modules"]["fc2"]["flops"] == 0
+    assert record.stats["params"] == sum(p.numel() for p in compiled.parameters())
