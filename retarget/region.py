@@ -24,6 +24,8 @@ from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
 
 PENDING = "pending"
 GraphTransform = Callable[[fx.GraphModule], None]
+#: Wraps a module's eager forward: the module-level form of a rewrite, for calls without a graph.
+EagerForm = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Region:
     reason: str = ""
     graphs: dict[Any, CapturedGraph] = field(default_factory=dict)
     transforms: list[tuple[str, GraphTransform]] = field(default_factory=list)
+    eager_forms: list[tuple[str, EagerForm]] = field(default_factory=list)
     shared: bool = True
     eager_only: bool = False
     captures: int = 0
@@ -100,9 +103,18 @@ class Region:
         return graph
 
     # -- rewriting ------------------------------------------------------------------------
-    def add_transform(self, pass_name: str, transform: GraphTransform) -> int:
-        """Apply a graph rewrite to every captured graph now and every later capture."""
+    def add_transform(
+        self, pass_name: str, transform: GraphTransform, eager_form: EagerForm | None = None
+    ) -> int:
+        """Apply a graph rewrite to every captured graph now and every later capture.
+
+        `eager_form` is the same rewrite at module level; it wraps the forward of every call that
+        runs without a graph (an uncapturable region, or a signature that failed to capture), so
+        a rewrite is never silently lost. Returns how many graphs were rewritten now.
+        """
         self.transforms.append((pass_name, transform))
+        if eager_form is not None:
+            self.eager_forms.append((pass_name, eager_form))
         for graph in self.graphs.values():
             _apply(pass_name, transform, graph)
         self.version += 1
@@ -116,6 +128,8 @@ class Region:
     def call(self, module: nn.Module, args: tuple, kwargs: dict, eager: Callable) -> Any:
         graph = self.graph_for(module, args, kwargs)
         if graph is None:
+            for _, wrap in self.eager_forms:
+                eager = wrap(eager)
             return eager(*args, **kwargs)
         bindings = module.__dict__.setdefault("_retarget_bindings", {})
         cached = bindings.get(id(graph))

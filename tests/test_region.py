@@ -156,3 +156,25 @@ def test_forward_hooks_on_region_modules_still_fire():
     seen.clear()
     compiled(torch.randn(2, 8))
     assert seen == [torch.Size([2, 8])]
+
+
+def test_eager_forms_wrap_calls_that_run_without_a_graph():
+    torch.manual_seed(0)
+    model = MoodyStack()
+    x = torch.randn(2, 4)
+    compiled = retarget.compile_for(model, example_inputs=(x,))
+    (region,) = compiled.program.regions
+    calls = []
+
+    def tag(forward):
+        def wrapped(*args, **kwargs):
+            calls.append("eager")
+            return forward(*args, **kwargs)
+
+        return wrapped
+
+    region.add_transform("tag", lambda gm: None, eager_form=tag)
+    compiled(x)
+    assert calls == []  # graph calls are rewritten by the graph transform, not the eager form
+    compiled(x, tricky=True)
+    assert calls == ["eager", "eager"]
