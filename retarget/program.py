@@ -101,6 +101,8 @@ class Program:
 
     def graphs_at(self, pass_name: str, when: str = "after") -> dict[str, str]:
         """Region graph text right after (or before) the named pass ran."""
+        if when not in ("before", "after"):
+            raise ValueError(f"when must be 'before' or 'after', got {when!r}")
         names = [record.name for record in self.history]
         if pass_name not in names:
             raise KeyError(f"pass '{pass_name}' did not run; ran: {', '.join(names)}")

@@ -178,7 +178,9 @@ def test_history_keeps_graph_text_after_capture():
     assert compiled.graphs("capture_regions", when="before") == {}
     assert compiled.graphs() == after
     with pytest.raises(KeyError, match="did not run"):
-        compiled.graphs("swap_fp8")
+        compiled.graphs("no_such_pass")
+    with pytest.raises(ValueError, match="when must be"):
+        compiled.graphs("capture_regions", when="during")
 
 
 def test_print_after_writes_region_graphs():
