@@ -180,10 +180,8 @@ def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What a captured graph is specialised to: input structure, shapes, flags, autocast."""
     leaves, spec = tree_flatten((args, kwargs))
     described = tuple(_describe(leaf) for leaf in leaves)
-    modules = module.__dict__.get("_retarget_modules")
-    if modules is None:
-        modules = module.__dict__["_retarget_modules"] = list(module.modules())
-    training = tuple(m.training for m in modules)
+    # Walked every call, not cached: passes may swap submodules after the first call.
+    training = tuple(m.training for m in module.modules())
     autocast = (
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
