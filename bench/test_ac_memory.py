@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 
-from retarget.compile import compile_for
-from retarget.memory.measure import measure_training_step
+from retarget.driver.compile import compile_for
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
+from retarget.passes.memory.measure import measure_training_step
 
 CONFIGS = {
     "off": "single",

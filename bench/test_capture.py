@@ -28,7 +28,7 @@ import pytest
 import torch
 import transformers
 
-from retarget.compile import compile_for
+from retarget.driver.compile import compile_for
 
 LAYERS = (2, 8, 32)
 MODES = ("regions", "whole")

@@ -77,7 +77,7 @@ def by_hand(config: str, world: int) -> tuple[torch.nn.Module, contextlib.Abstra
 def _ranks(rank: int, world: int, config: str, rounds: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
-    from retarget.compile import compile_for
+    from retarget.driver.compile import compile_for
 
     inputs = rank_batch(rank, world)
     compiled = compile_for(tiny_llama(), config, example_inputs=inputs)

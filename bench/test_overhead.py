@@ -28,7 +28,7 @@ import torch
 from common import interleaved_medians, llama, stepper, token_batch
 from torch.utils.checkpoint import checkpoint
 
-from retarget.compile import compile_for
+from retarget.driver.compile import compile_for
 
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))

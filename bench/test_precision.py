@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common import interleaved_medians, llama, stepper, token_batch
 
-from retarget.compile import compile_for
+from retarget.driver.compile import compile_for
 
 TARGETS = ("single", "bf16", "fp8[backend=native]")
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "5"))

@@ -4,19 +4,24 @@ model = retarget.compile_for(model, target="single", example_inputs=batch)
 print(model.report)
 """
 
-from retarget.compile import compile_for
-from retarget.compiled import CompiledModule
-from retarget.errors import PassError, PassOrderError, TargetNotSupportedError, VerificationError
+from retarget.core.errors import (
+    PassError,
+    PassOrderError,
+    TargetNotSupportedError,
+    VerificationError,
+)
+from retarget.core.version import __version__
+from retarget.core.world import launched_target
+from retarget.driver.compile import compile_for
+from retarget.driver.compiled import CompiledModule
 from retarget.passes.base import Pass, PassResult
-from retarget.target import Target, TargetError, parse_target
-
-__version__ = "0.1.0"
+from retarget.target.grammar import Target, TargetError, parse_target
 
 #: The Accelerate-compatible front door, imported on first use (it pulls in the whole runtime).
 _ACCELERATOR_NAMES = {
-    "Accelerator": "retarget.accelerator",
-    "DistributedType": "retarget.accelerator_arguments",
-    "GeneralTracker": "retarget.trackers",
+    "Accelerator": "retarget.accelerate.accelerator",
+    "DistributedType": "retarget.accelerate.arguments",
+    "GeneralTracker": "retarget.accelerate.trackers",
     **dict.fromkeys(
         (
             "AORecipeKwargs",
@@ -29,9 +34,9 @@ _ACCELERATOR_NAMES = {
             "ProfileKwargs",
             "TERecipeKwargs",
         ),
-        "retarget.accelerator_kwargs",
+        "retarget.accelerate.kwargs_handlers",
     ),
-    "ProjectConfiguration": "retarget.accelerator_arguments",
+    "ProjectConfiguration": "retarget.accelerate.arguments",
 }
 
 
@@ -54,6 +59,8 @@ __all__ = [
     "TargetError",
     "TargetNotSupportedError",
     "VerificationError",
+    "__version__",
     "compile_for",
+    "launched_target",
     "parse_target",
 ]

@@ -30,9 +30,9 @@ from retarget import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from retarget.accelerator_kwargs import KwargsHandlerError
-from retarget.runtime.checkpoint import NotCheckpointableError
-from retarget.runtime.checkpoint_folder import CheckpointError
+from retarget.accelerate.kwargs_handlers import KwargsHandlerError
+from retarget.runtime.state.checkpoint import NotCheckpointableError
+from retarget.runtime.state.folder import CheckpointError
 from tests.zoo import bert_inputs, tiny_bert
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from retarget.accelerator_example import example_inputs_for, first_batch
+from retarget.accelerate.example_inputs import example_inputs_for, first_batch
 
 
 class OneInput(nn.Module):

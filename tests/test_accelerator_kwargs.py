@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from retarget.accelerator_arguments import ProjectConfiguration
-from retarget.accelerator_kwargs import (
+from retarget.accelerate.arguments import ProjectConfiguration
+from retarget.accelerate.kwargs_handlers import (
     AORecipeKwargs,
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -23,8 +23,8 @@ from retarget.accelerator_kwargs import (
     as_handler,
     collect_handlers,
 )
-from retarget.accelerator_target import resolve_target
-from retarget.target import TargetError
+from retarget.accelerate.target_choice import resolve_target
+from retarget.target.grammar import TargetError
 
 
 def target_of(*handlers, **kwargs) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from retarget.accelerator_scheduler import PreparedScheduler
+from retarget.accelerate.scheduler import PreparedScheduler
 
 
 def scheduler_and_flags(steps_per_update=1, step_with_optimizer=True, kind="step"):

@@ -6,8 +6,8 @@ import functools
 
 import pytest
 
-from retarget.accelerator_target import resolve_target
-from retarget.target import TargetError
+from retarget.accelerate.target_choice import resolve_target
+from retarget.target.grammar import TargetError
 
 
 def target_of(**kwargs) -> str:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from retarget import bench
-from retarget.cli import main
+from retarget.cli import bench
+from retarget.cli.main import main
 
 
 def _bench_dir(tmp_path: Path) -> Path:

@@ -26,7 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from retarget.runtime.checkpoint import (
+from retarget.runtime.data.resumable_loader import ResumableLoader
+from retarget.runtime.process import ProcessState
+from retarget.runtime.scaler import LossScaler
+from retarget.runtime.state.checkpoint import (
     CheckpointRegistry,
     NotCheckpointableError,
     ProjectConfig,
@@ -34,12 +37,9 @@ from retarget.runtime.checkpoint import (
     numbered_checkpoints,
     save_state,
 )
-from retarget.runtime.checkpoint_folder import CheckpointError, IncompleteCheckpointError
-from retarget.runtime.process import ProcessState
-from retarget.runtime.resumable_loader import ResumableLoader
-from retarget.runtime.save_model import get_state_dict
-from retarget.runtime.scaler import LossScaler
-from retarget.runtime.state_codec import UnsupportedStateError
+from retarget.runtime.state.codec import UnsupportedStateError
+from retarget.runtime.state.folder import CheckpointError, IncompleteCheckpointError
+from retarget.runtime.state.save_model import get_state_dict
 from tests.distributed import run_ranks
 
 # tests.zoo (and transformers) are imported where a model is built: the killed child of the
@@ -295,7 +295,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_refuses_the_partial_
 
 
 def test_sharded_dataloader_resumes_with_the_next_unseen_batch(tmp_path):
-    from retarget.runtime.data import shard_dataloader
+    from retarget.runtime.data.sharded_loader import shard_dataloader
 
     def loader():
         data = TensorDataset(torch.arange(12))

@@ -10,12 +10,18 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import retarget
-from retarget.errors import PassError
-from retarget.memory.measure import measure_training_step
-from retarget.memory.profile import FULL, NONE, POLICIES, ActivationProfile, BlockProfile
+from retarget.core.errors import PassError
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
+from retarget.passes.memory.activation_profile import (
+    FULL,
+    NONE,
+    POLICIES,
+    ActivationProfile,
+    BlockProfile,
+)
 from retarget.passes.memory.budget import BudgetError, cost, solve_budget
 from retarget.passes.memory.checkpoint_blocks import CheckpointedModule, CheckpointOptions
+from retarget.passes.memory.measure import measure_training_step
 from tests.conftest import assert_same_step, step
 from tests.distributed import run_ranks
 from tests.memory_ranks import fsdp_bf16_ac_rank

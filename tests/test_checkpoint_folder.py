@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from retarget.runtime.checkpoint_folder import (
+from retarget.runtime.process import ProcessState
+from retarget.runtime.state.folder import (
     MANIFEST,
     CheckpointError,
     IncompleteCheckpointError,
@@ -16,7 +17,6 @@ from retarget.runtime.checkpoint_folder import (
     staging_path,
     verify_folder,
 )
-from retarget.runtime.process import ProcessState
 
 ONE = ProcessState()  # a world of one
 

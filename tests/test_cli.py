@@ -1,4 +1,4 @@
-"""The `retarget` command line (retarget/cli.py, retarget/demo.py) and its renderers (render.py).
+"""The `retarget` command line (cli/main.py, cli/demo.py) and its renderers (report/render.py).
 
 Commands run in-process through `main([...])` for speed; one test runs the installed console
 script to prove the entry point and the current-directory import.
@@ -19,11 +19,11 @@ import torch
 from torch import fx
 
 import retarget
-from retarget import render
-from retarget.cli import main
-from retarget.demo import ProgressBar
+from retarget.cli.demo import ProgressBar
+from retarget.cli.main import main
+from retarget.ir.program import PassRecord
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
-from retarget.program import PassRecord
+from retarget.report import render
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = ["tests.zoo:tiny_llama", "--inputs", "tests.zoo:lm_inputs", "--target", "single"]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.passes.comm.hooks import build_hook, hook_stats
+from retarget.runtime.comm_hooks import build_hook, hook_stats
 from tests import zoo
 from tests.distributed import run_ranks
 from tests.sharded_training import lm_batches, max_difference, share, train

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.modules import original_class
+from retarget.core.modules import original_class
 from tests.conftest import assert_same_step, step
 from tests.zoo import ZOO, call, loss_of
 
@@ -46,7 +46,7 @@ def test_regions_are_the_repeated_blocks(name):
     expected = entry.repeated_block_type or type(entry.factory()).__name__
     assert [r["block_type"] for r in regions] == [expected]
     for path in regions[0]["paths"]:
-        assert isinstance(compiled.get_submodule(path), retarget.region.RegionModule)
+        assert isinstance(compiled.get_submodule(path), retarget.ir.region.RegionModule)
 
 
 def test_report_names_frontend_and_reason_per_region():

@@ -1,4 +1,4 @@
-"""`retarget config` (retarget/runtime/config_questions.py): questions answered on stdin,
+"""`retarget config` (retarget/launch/questions.py): questions answered on stdin,
 bad answers asked again, --default, and the file `retarget launch` then reads."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from retarget.cli import main
-from retarget.runtime.config_questions import default_launch_config
-from retarget.runtime.launch_config import CONFIG_ENV, read_launch_config
-from retarget.target import Target
+from retarget.cli.main import main
+from retarget.launch.config import CONFIG_ENV, read_launch_config
+from retarget.launch.questions import default_launch_config
+from retarget.target.grammar import Target
 
 
 @pytest.fixture(autouse=True)

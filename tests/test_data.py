@@ -18,13 +18,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from transformers import BatchEncoding
 
 from retarget.runtime.collectives import gather_for_metrics
-from retarget.runtime.data import (
+from retarget.runtime.data.sharded_loader import (
     ShardedDataLoader,
     active_loader,
     shard_dataloader,
     skip_first_batches,
 )
-from retarget.runtime.data_sharding import ShardOptions, deal_rounds, epoch_batches
+from retarget.runtime.data.sharding import ShardOptions, deal_rounds, epoch_batches
 from retarget.runtime.process import ProcessState
 from tests.distributed import run_ranks
 

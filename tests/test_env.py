@@ -1,4 +1,4 @@
-"""`retarget env` (retarget/runtime/env.py): versions, devices, backends and the config in
+"""`retarget env` (retarget/launch/env.py): versions, devices, backends and the config in
 effect, as a Markdown list; a broken config is shown with its error, never fails the report."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import retarget
-from retarget.cli import main
-from retarget.runtime.launch_config import CONFIG_ENV
+from retarget.cli.main import main
+from retarget.launch.config import CONFIG_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import retarget
-from retarget.cli import main
-from retarget.memory.estimate import estimate_memory, local_target
-from retarget.memory.measure import format_bytes, measure_training_step
-from retarget.target import parse_target
+from retarget.cli.main import main
+from retarget.passes.memory.measure import format_bytes, measure_training_step
+from retarget.report.memory_estimate import estimate_memory, local_target
+from retarget.target.grammar import parse_target
 from tests.distributed import run_ranks
 from tests.memory_ranks import fsdp_rank, held_by_training, held_bytes, model_and_batch
 from tests.zoo import ZOO, call, loss_of

@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.fp8.backends import (
+from retarget.kernels.fp8.backends import (
     BACKENDS,
     Environment,
     Fp8BackendError,
     select_backend,
 )
-from retarget.fp8.native import Float8Linear
-from retarget.fp8.recipe import Fp8Recipe
+from retarget.kernels.fp8.native import Float8Linear
+from retarget.kernels.fp8.recipe import Fp8Recipe
 from tests.zoo import ZOO, call, loss_of
 
 LLAMA = ZOO["tiny_llama"]

@@ -8,16 +8,16 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from retarget.fp8.layout import (
+from retarget.core.capturing import capturing_originals
+from retarget.kernels.fp8.layout import (
     ScaledMMLayoutError,
     broken_rules,
     check_scaled_mm,
     column_major,
     scaled_mm,
 )
-from retarget.fp8.native import Float8Linear
-from retarget.fp8.recipe import E4M3, E5M2, Fp8Recipe
-from retarget.region import capturing_originals
+from retarget.kernels.fp8.native import Float8Linear
+from retarget.kernels.fp8.recipe import E4M3, E5M2, Fp8Recipe
 
 # Measured (tokens 35, 64 -> 128, seed 0): relative error of the output / grad norms is
 # 0.034-0.037 for E4M3 operands and 0.058 for E5M2 gradients (hybrid dgrad/wgrad). E4M3 rounds

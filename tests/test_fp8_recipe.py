@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retarget.fp8.recipe import (
+from retarget.kernels.fp8.recipe import (
     E4M3,
     E5M2,
     DelayedScaling,

@@ -17,14 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import retarget
-from retarget.modules import original_class
+from retarget.core.modules import original_class
 from retarget.passes.precision.insert_autocast import (
     AutocastModule,
     AutocastOptions,
     rewrite_graph,
 )
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
-from retarget.target import TargetError
+from retarget.target.grammar import TargetError
 from tests.conftest import step
 from tests.zoo import SEQ, VOCAB, ZOO, call, first_block_call, loss_of
 

@@ -1,4 +1,4 @@
-"""`retarget launch` (retarget/runtime/launch.py, launch_worker.py): settings precedence, the
+"""`retarget launch` (retarget/launch/launcher.py, launch_worker.py): settings precedence, the
 torchrun command, bad input refused before launching, the failure summary, and four real
 launches (2 ranks; a failing rank; one process run directly; the MNIST tutorial script)."""
 
@@ -18,20 +18,19 @@ import pytest
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from retarget.cli import build_parser, main
-from retarget.runtime import launch_worker
-from retarget.runtime.launch import (
-    TARGET_ENV,
+from retarget.cli.main import build_parser, main
+from retarget.core.world import TARGET_ENV, launched_target
+from retarget.launch import worker as launch_worker
+from retarget.launch.config import CONFIG_ENV, LaunchConfig, read_settings
+from retarget.launch.launcher import (
     WORKER,
     failure_summary,
-    launched_target,
     plan_from_args,
     resolve,
     torchrun_args,
     worker_env,
 )
-from retarget.runtime.launch_config import CONFIG_ENV, LaunchConfig, read_settings
-from retarget.target import Target, TargetError
+from retarget.target.grammar import Target, TargetError
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"

@@ -1,4 +1,4 @@
-"""Launch settings files (retarget/runtime/launch_config.py): reading ours and Accelerate's,
+"""Launch settings files (retarget/launch/config.py): reading ours and Accelerate's,
 the rules between settings, where the file in effect is, precision folding and merging."""
 
 from __future__ import annotations
@@ -8,19 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from retarget.runtime.launch_config import (
+from retarget.launch.config import (
     CONFIG_ENV,
     LaunchConfig,
     LaunchError,
     config_in_effect,
     merged,
-    precision_of,
     read_launch_config,
     read_settings,
-    with_precision,
     write_launch_config,
 )
-from retarget.target import Target
+from retarget.target.grammar import Target
+from retarget.target.precisions import precision_of, with_precision
 
 
 @pytest.fixture(autouse=True)

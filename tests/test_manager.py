@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.errors import PassError, PassOrderError, VerificationError
-from retarget.modules import structural_copy, with_mixin
+from retarget.core.errors import PassError, PassOrderError, VerificationError
+from retarget.core.modules import structural_copy, with_mixin
+from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.capture.capture_regions import CaptureRegions
 from retarget.passes.manager import PassManager, order_passes
-from retarget.program import ExampleInputs, Program
-from retarget.target import parse_target
+from retarget.target.grammar import parse_target
 
 
 def make(name, requires=(), provides=(), run=None, numerics=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from retarget.modules import original_class, structural_copy, sync_weights_into, with_mixin
+from retarget.core.modules import original_class, structural_copy, sync_weights_into, with_mixin
 
 
 class Tag(nn.Module):
@@ -49,7 +49,7 @@ def _fully_sharded_original_class(rank, world):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from retarget.modules import original_class as original
+    from retarget.core.modules import original_class as original
 
     dist.init_process_group("gloo")
     block = nn.Sequential(nn.Linear(2, 2))

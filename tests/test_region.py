@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.region import call_key
+from retarget.ir.region import call_key
 
 
 class Block(nn.Module):

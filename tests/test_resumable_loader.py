@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from retarget.runtime.resumable_loader import ResumableLoader
-from retarget.runtime.rng import RngState
+from retarget.runtime.data.resumable_loader import ResumableLoader
+from retarget.runtime.state.rng import RngState
 
 DATA = TensorDataset(torch.arange(10))
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from retarget.runtime.rng import RngState
-from retarget.runtime.state_codec import read_tree, write_tree
+from retarget.runtime.state.codec import read_tree, write_tree
+from retarget.runtime.state.rng import RngState
 
 
 def _draws():

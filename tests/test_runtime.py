@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import retarget
-from retarget.runtime.data import ShardedDataLoader
+from retarget.runtime.data.sharded_loader import ShardedDataLoader
 from retarget.runtime.optimizers import OptimizerNotPrepared, ScaledOptimizer
 from retarget.runtime.process import ProcessState
 from retarget.runtime.runtime import Runtime

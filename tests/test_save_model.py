@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import retarget
 from retarget.runtime.process import ProcessState
-from retarget.runtime.save_model import (
+from retarget.runtime.state.save_model import (
     get_state_dict,
     load_model,
     parse_size,

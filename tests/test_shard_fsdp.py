@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import retarget
-from retarget.errors import TargetNotSupportedError
+from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.shard.shard_fsdp import local_numel
 from retarget.runtime.optimizers import OptimizerNotPrepared
 from tests import zoo
@@ -49,7 +49,7 @@ def test_units_are_the_repeated_blocks_then_the_root_with_per_rank_counts():
 
 
 def test_inspect_shows_the_plan_for_a_stated_world_size(capsys):
-    from retarget.cli import main
+    from retarget.cli.main import main
 
     argv = ["inspect", "tests.zoo:tiny_llama", "--inputs", "tests.zoo:lm_inputs"]
     assert main([*argv, "--target", "fsdp+bf16", "--world-size", "4"]) == 0

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from retarget.runtime.state_codec import (
+from retarget.runtime.state.codec import (
     UnsupportedStateError,
     decode,
     encode,

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.errors import PassError
-from retarget.fp8.eligibility import RULES, EligibilityOptions, decide_all
-from retarget.fp8.native import Float8Linear
-from retarget.modules import original_class
+from retarget.core.errors import PassError
+from retarget.core.modules import original_class
+from retarget.kernels.fp8.native import Float8Linear
+from retarget.passes.precision.fp8_rules import RULES, EligibilityOptions, decide_all
 from retarget.passes.precision.swap_fp8 import SwapFp8, SwapFp8Options
-from retarget.target import TargetError
+from retarget.target.grammar import TargetError
 from tests.test_fp8_native import OpRecorder
 from tests.zoo import ZOO, call, loss_of
 

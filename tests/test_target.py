@@ -1,4 +1,4 @@
-"""The target spec (retarget/target.py) and Accelerate config files (accelerate_config.py)."""
+"""The target spec (target/grammar.py) and Accelerate config files (target/accelerate_yaml.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retarget.accelerate_config import AccelerateConfig, read_accelerate_config
-from retarget.target import PARTS, STRATEGIES, Option, Part, Target, TargetError, parse_target
+from retarget.target.accelerate_yaml import AccelerateConfig, read_accelerate_config
+from retarget.target.grammar import (
+    PARTS,
+    STRATEGIES,
+    Option,
+    Part,
+    Target,
+    TargetError,
+    parse_target,
+)
 
 # --- canonical form and round trips -------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from retarget.trackers import (
+from retarget.accelerate.trackers import (
     GeneralTracker,
     JSONLinesTracker,
     TensorBoardTracker,

@@ -8,7 +8,7 @@ module stays eager (`Capture.graph is None`), which is not an error: every pass 
 module-level form.
 
 A captured graph is specialised to one *call signature* (tensor shapes and dtypes, non-tensor
-argument values, train/eval flags, grad and autocast mode); `retarget.region` keeps one graph per
+argument values, train/eval flags, grad and autocast mode); `retarget.ir.region` keeps one graph per
 signature and re-captures on a new one. Graph code reads parameters through `self.<path>` at
 every call (see `binding.py`), so one graph serves every repeat of a block and always sees the
 live weights.

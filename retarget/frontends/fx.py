@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.core.modules import original_class
 from retarget.frontends.binding import CapturedGraph
-from retarget.modules import original_class
 
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 

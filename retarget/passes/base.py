@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from retarget.program import Program
+    from retarget.ir.program import Program
 
 
 @dataclass(frozen=True)

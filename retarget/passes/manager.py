@@ -21,10 +21,10 @@ import networkx as nx
 import torch
 from torch.utils._pytree import tree_flatten
 
-from retarget.errors import PassError, PassOrderError, VerificationError
+from retarget.core.errors import PassError, PassOrderError, VerificationError
 from retarget.frontends.check import first_difference, preserved_state
+from retarget.ir.program import PassRecord, Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.program import PassRecord, Program
 
 
 class PassManager:

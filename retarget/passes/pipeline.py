@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from retarget.errors import TargetNotSupportedError
+from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.analysis.annotate_shapes import AnnotateShapes
 from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Pass
@@ -21,7 +21,7 @@ from retarget.passes.precision.insert_autocast import autocast_passes
 from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
-from retarget.target import Target
+from retarget.target.grammar import Target
 
 Stage = Callable[[Target, CaptureOptions], list[Pass]]
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from retarget.runtime.data import active_loader
+from retarget.runtime.data.sharded_loader import active_loader
 from retarget.runtime.nested import (
     map_leaves,
     map_structure,

@@ -53,6 +53,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from retarget.runtime.apply_plan import Applied, applied_of
 from retarget.runtime.optimizers import (
     ScaledOptimizer,
     StepGuard,
@@ -60,7 +61,6 @@ from retarget.runtime.optimizers import (
     remap_parameters,
     zero_redundancy,
 )
-from retarget.runtime.plan import Applied, applied_of
 from retarget.runtime.process import ProcessState
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.runtime.step import (
@@ -159,7 +159,7 @@ class Runtime:
 
     def shard(self, loader: DataLoader, **options: Any) -> Any:
         """This rank's share of `loader` (options of runtime.data.shard_dataloader)."""
-        from retarget.runtime import data
+        from retarget.runtime.data import sharded_loader as data
 
         return data.shard_dataloader(loader, self.state, **options)
 
@@ -265,7 +265,7 @@ class Runtime:
         last batch of the active sharded loader. Non-final micro-steps run without gradient
         communication and keep their gradients away from the optimizer (module docstring).
         """
-        from retarget.runtime.data import active_loader
+        from retarget.runtime.data.sharded_loader import active_loader
 
         loader = active_loader()
         end_of_data = loader is not None and loader.end_of_dataloader

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from retarget.runtime.plan import Applied
+from retarget.runtime.apply_plan import Applied
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 import retarget
-from retarget.runtime.launch import launched_target
+from retarget.core.world import launched_target
 
 
 class Net(nn.Module):

@@ -11,7 +11,7 @@ padding. Imports are not re-sorted, so that the versions differ only where they 
 
 import torch
 import torch.nn.functional as F
-import retarget.runtime.launch
+import retarget.launch.launcher
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,7 +40,7 @@ def synthetic_mnist(n, seed):
 
 def main():
     torch.manual_seed(0)
-    model = retarget.compile_for(Net(), retarget.runtime.launch.launched_target() or "single")
+    model = retarget.compile_for(Net(), retarget.launched_target() or "single")
     accelerator = model.runtime
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train_loader = DataLoader(synthetic_mnist(512, seed=1), batch_size=32, shuffle=True)

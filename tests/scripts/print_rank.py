@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from retarget.runtime.launch import launched_target
+from retarget.core.world import launched_target
 from retarget.runtime.process import ProcessState
 
 state = ProcessState.current()

@@ -30,9 +30,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from retarget.frontends.check import preserved_state
+from retarget.ir.program import Program, describe_tensor
+from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
-from retarget.program import Program, describe_tensor
-from retarget.region import call_key
 
 #: Module types whose FLOPs and shapes are reported one by one.
 COUNTED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)

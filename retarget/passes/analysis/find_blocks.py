@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import networkx as nx
 from torch import nn
 
-from retarget.modules import original_class
+from retarget.core.modules import original_class
+from retarget.ir.program import BlockGroup, Program
 from retarget.passes.base import Pass, PassResult
-from retarget.program import BlockGroup, Program
 
 #: Attributes that name a module's position rather than what it computes.
 POSITION_ATTRIBUTES = frozenset(

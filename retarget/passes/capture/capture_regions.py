@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.core.modules import original_class, with_mixin
 from retarget.frontends import FRONTENDS
 from retarget.frontends.check import preserved_state
-from retarget.modules import original_class, with_mixin
+from retarget.ir.program import ROOT, Program
+from retarget.ir.region import Region, RegionModule, running_eagerly
 from retarget.passes.base import Pass, PassResult
-from retarget.program import ROOT, Program
-from retarget.region import Region, RegionModule, running_eagerly
 
 MODES = ("regions", "whole", "eager")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.program import Program
-from retarget.target import Target
+from retarget.target.grammar import Target
 
 HOOK_PARTS = ("fp16-comm", "bf16-comm", "powersgd")
 _CAST = {"fp16-comm": "float16", "bf16-comm": "bfloat16"}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from retarget.memory.profile import FULL, POLICIES, ActivationProfile
+from retarget.passes.memory.activation_profile import FULL, POLICIES, ActivationProfile
 
 #: Memory units the budget is cut into.
 RESOLUTION = 512

@@ -45,15 +45,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from retarget.memory.measure import format_bytes
-from retarget.memory.profile import FULL, NONE, SELECTIVE, ActivationProfile, profile_activations
-from retarget.modules import with_mixin
+from retarget.core.capturing import capturing
+from retarget.core.modules import with_mixin
+from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
+from retarget.passes.memory.activation_profile import (
+    FULL,
+    NONE,
+    SELECTIVE,
+    ActivationProfile,
+    profile_activations,
+)
 from retarget.passes.memory.budget import BudgetPlan, solve_budget
+from retarget.passes.memory.measure import format_bytes
 from retarget.passes.memory.recompute_rules import selective_contexts
-from retarget.program import Program
-from retarget.region import capturing
-from retarget.target import Target
+from retarget.target.grammar import Target
 
 BUDGET = "budget"
 POLICY_OPTIONS = (FULL, SELECTIVE, BUDGET)

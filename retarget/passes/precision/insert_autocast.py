@@ -48,14 +48,15 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from retarget.modules import original_class, with_mixin
+from retarget.core.capturing import capturing
+from retarget.core.modules import original_class, with_mixin
+from retarget.ir.program import Program
+from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.precision import autocast_rules as rules
-from retarget.program import Program
-from retarget.region import Region, capturing
-from retarget.target import Target
+from retarget.target.grammar import Target
+from retarget.target.precisions import LOW_DTYPES
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
 #: Loss-scaler options of the fp16 target part, recorded in program.plan["loss_scaler"].
 SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -87,9 +88,9 @@ class AutocastOptions:
     """Steps without inf/nan gradients before the scale grows."""
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
+        if self.dtype not in LOW_DTYPES:
             raise ValueError(
-                f"insert_autocast: dtype must be one of {tuple(DTYPES)}, not {self.dtype!r}"
+                f"insert_autocast: dtype must be one of {tuple(LOW_DTYPES)}, not {self.dtype!r}"
             )
         unknown = [k for k in self.keep_fp32 if k not in rules.KINDS]
         if unknown:
@@ -100,7 +101,7 @@ class AutocastOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return LOW_DTYPES[self.dtype]
 
     def loss_scaler(self) -> dict[str, Any] | None:
         """The loss scaler's options (program.plan["loss_scaler"]); None for bf16."""

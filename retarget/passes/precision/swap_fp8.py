@@ -1,8 +1,8 @@
 """swap_fp8: swap eligible nn.Linear modules for FP8 ones (native, torchao, te or msamp).
 
-1. Decide per Linear with the eligibility table (`retarget.fp8.eligibility`): swapped, or the
-   rule that kept it and why. The report lists every Linear (`program.analysis["fp8"]`).
-2. Pick and check the backend (`retarget.fp8.backends`) before touching anything.
+1. Decide per Linear with the eligibility table (`fp8_rules.py`, beside this pass): swapped,
+   or the rule that kept it and why. The report lists every Linear (`program.analysis["fp8"]`).
+2. Pick and check the backend (`retarget.kernels.fp8.backends`) before touching anything.
 3. Swap at module level in the structural copy (`program.module`): native re-classes each Linear
    in place as a Float8Linear; torchao and te put their module at the Linear's path. The weight
    and bias stay the same Parameter objects (except msamp) and state_dict keys do not change.
@@ -31,13 +31,18 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
-from retarget.fp8.backends import Environment, select_backend
-from retarget.fp8.eligibility import Decision, EligibilityOptions, decide_all, unused_patterns
-from retarget.fp8.recipe import Fp8Recipe
+from retarget.ir.program import Program
+from retarget.ir.region import Region
+from retarget.kernels.fp8.backends import Environment, select_backend
+from retarget.kernels.fp8.recipe import Fp8Recipe
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.program import Program
-from retarget.region import Region
-from retarget.target import PARTS, Target
+from retarget.passes.precision.fp8_rules import (
+    Decision,
+    EligibilityOptions,
+    decide_all,
+    unused_patterns,
+)
+from retarget.target.grammar import PARTS, Target
 
 _SCHEMA = PARTS["fp8"].options
 #: The call_function targets that compute a Linear in the graphs our frontends produce.
@@ -53,11 +58,11 @@ class SwapFp8Options:
     """The options of `fp8[...]`; defaults come from the target schema."""
 
     backend: str = _default("backend")
-    """auto | native | torchao | te | msamp (see retarget.fp8.backends)."""
+    """auto | native | torchao | te | msamp (see retarget.kernels.fp8.backends)."""
     format: str = _default("format")
     """hybrid (E4M3 forward, E5M2 gradients) | e4m3."""
     scaling: str = _default("scaling")
-    """delayed | current | rowwise (see retarget.fp8.recipe)."""
+    """delayed | current | rowwise (see retarget.kernels.fp8.recipe)."""
     amax_history: int = _default("amax_history")
     """Length of the amax history (delayed scaling)."""
     amax_algo: str = _default("amax_algo")

@@ -1,6 +1,6 @@
 """shard_ddp (`ddp`, `zero1`): replicate the model, all-reduce gradients in buckets (DDP).
 
-The pass decides and records; `retarget.runtime.plan` wraps the compiled model in torch's
+The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
 `program.plan["ddp"]`, holds DDP's settings (the `ddp[...]` options) and the gradient buckets
 DDP will all-reduce, computed the way DDP computes them:
@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from retarget.core.world import planned_world
+from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.shard.world import planned_world
-from retarget.program import Program
-from retarget.target import PARTS, Target
+from retarget.target.grammar import PARTS, Target
 
 _SCHEMA = PARTS["ddp"].options
 _MIB = 1024 * 1024

@@ -25,7 +25,7 @@ powersgd) do not apply and the target refuses them.
 
 The record, `program.plan["fsdp"]`, lists the units with their parameter count and the elements
 each rank holds (FSDP2 shards dim 0 of every parameter in torch.chunk pieces); the runtime
-applies it (`retarget.runtime.plan`).
+applies it (`retarget.runtime.apply_plan`).
 
     >>> compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch, world_size=8)
     >>> print(compiled.report)        # units, per-rank counts, mixed-precision policy
@@ -40,13 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from retarget.errors import TargetNotSupportedError
+from retarget.core.errors import TargetNotSupportedError
+from retarget.core.world import World, planned_world
+from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.shard.world import World, planned_world
-from retarget.program import Program
-from retarget.target import Target
+from retarget.target.grammar import Target
+from retarget.target.strategies import FSDP_STRATEGIES
 
-SHARDED = ("fsdp", "zero3", "zero2", "hsdp")
 #: Precision part -> the dtype FSDP gathers parameters in.
 PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
@@ -83,15 +83,15 @@ class FsdpOptions:
     """Dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype)."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in SHARDED:
+        if self.strategy not in FSDP_STRATEGIES:
             raise ValueError(
-                f"shard_fsdp: strategy must be one of {SHARDED}, not {self.strategy!r}"
+                f"shard_fsdp: strategy must be one of {FSDP_STRATEGIES}, not {self.strategy!r}"
             )
 
     @classmethod
     def from_target(cls, target: Target) -> FsdpOptions:
         """Options from the target's sharded part, its offload part and its precision part."""
-        part = next(target.get(n) for n in SHARDED if n in target)
+        part = next(target.get(n) for n in FSDP_STRATEGIES if n in target)
         values = part.as_dict()
         _refuse_unsupported(part.name, values)
         precision = next((n for n in PARAM_DTYPES if n in target), None)
@@ -174,7 +174,7 @@ class ShardFsdp(Pass):
     @classmethod
     def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's FSDP stage: this pass when the target has a sharded strategy."""
-        if not any(n in target for n in SHARDED):
+        if not any(n in target for n in FSDP_STRATEGIES):
             return []
         return [cls(FsdpOptions.from_target(target))]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from torch import nn
 
+from retarget.core.world import planned_world
+from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_ddp import trainable_parameters
-from retarget.passes.shard.world import planned_world
-from retarget.program import Program
 
 OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
 

@@ -1,0 +1,1 @@
+"""The `retarget` command: inspect, demo, launch, config, env, estimate-memory, bench."""

@@ -1,0 +1,31 @@
+"""Errors raised by retarget, by who has to act on them.
+
+User mistakes are ValueError subclasses that name the field and the fix (`TargetError` lives
+in `retarget.target.grammar`); a pass that cannot handle what it was given raises `PassError`
+naming the pass and the passes that ran before it; a requested target part that no pass
+implements yet is refused with `TargetNotSupportedError` rather than silently skipped.
+"""
+
+from __future__ import annotations
+
+
+class PassError(RuntimeError):
+    """A pass failed. The message names the pass and the passes that ran before it."""
+
+    def __init__(self, pass_name: str, ran_before: list[str], cause: BaseException | str):
+        self.pass_name = pass_name
+        self.ran_before = list(ran_before)
+        before = ", ".join(ran_before) if ran_before else "nothing"
+        super().__init__(f"pass '{pass_name}' failed (after: {before}): {cause}")
+
+
+class VerificationError(PassError):
+    """Verification after a pass found a broken invariant (lint, state_dict keys or numerics)."""
+
+
+class PassOrderError(ValueError):
+    """The declared requirements of a pass list cannot be satisfied (missing pass or a cycle)."""
+
+
+class TargetNotSupportedError(NotImplementedError):
+    """A valid target part has no pass implementing it (yet): refused, never silently dropped."""

@@ -1,0 +1,109 @@
+"""compile_for: capture -> Program -> pass pipeline -> CompiledModule."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import IO, Any
+
+from torch import nn
+
+from retarget.core.modules import structural_copy, with_mixin
+from retarget.core.world import WORLD_SIZE
+from retarget.driver.compiled import CompiledModule
+from retarget.ir.program import ExampleInputs, Program
+from retarget.passes.manager import PassManager
+from retarget.passes.pipeline import build_pipeline
+from retarget.runtime.apply_plan import apply_plan
+from retarget.target.grammar import Target, TargetError, parse_target
+from retarget.target.strategies import STRATEGIES
+
+
+def compile_for(
+    model: nn.Module,
+    target: str | Target | None = None,
+    *,
+    example_inputs: Any = None,
+    capture: str = "regions",
+    verify: bool = False,
+    disable: Iterable[str] = (),
+    frontends: tuple[str, ...] | None = None,
+    print_before: Iterable[str] = (),
+    print_after: Iterable[str] = (),
+    stream: IO[str] | None = None,
+    world_size: int | None = None,
+) -> CompiledModule:
+    """Rewrite `model` for `target` and return it as a CompiledModule.
+
+    `target` defaults to the one `retarget launch` exported (RETARGET_TARGET), else "single";
+    in a run of several processes a target without a strategy (ddp, fsdp, ...) is refused.
+    `example_inputs` follows how the model is called: a tuple is positional arguments, a dict is
+    keyword arguments (the Hugging Face way), anything else is the one argument. Without it,
+    regions are captured lazily at their first call. `capture` is "regions" (one graph per
+    distinct repeated block, glue eager), "whole" or "eager". `verify=True` checks after every
+    pass that the model still computes what eager computes on the example inputs. `disable`
+    names passes to skip; `print_before`/`print_after` name passes around which the region
+    graphs are printed to `stream` (stderr by default). `world_size` is the number of processes a
+    ddp/fsdp plan is made for (default: the run's own, from torchrun's environment, else 1);
+    under a process group of more than one process the plan is applied (DDP or FSDP2),
+    in a world of one it is recorded and the report says it was not applied.
+
+        >>> compiled = retarget.compile_for(model, "single", example_inputs={"input_ids": ids})
+        >>> print(compiled.report)
+
+    The user's `model` object is never edited: the result is a structural copy that shares every
+    parameter tensor with it; `compiled.unwrap()` gives `model` back with the current weights.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_for takes an nn.Module, got {type(model).__name__}")
+    target = _resolve_target(target, world_size)
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    passes = build_pipeline(target, capture=capture, frontends=frontends)
+    manager = PassManager(
+        passes,
+        verify=verify,
+        disable=disable,
+        print_before=print_before,
+        print_after=print_after,
+        stream=stream,
+    )
+    root = with_mixin(structural_copy(model), CompiledModule)
+    program = Program(
+        module=root,
+        original=model,
+        target=target,
+        example=ExampleInputs.of(example_inputs),
+        capture=capture,
+    )
+    if world_size is not None:
+        program.analysis[WORLD_SIZE] = world_size
+    root.__dict__["_retarget_program"] = program
+    manager.run(program)
+    # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
+    apply_plan(program)
+    return root
+
+
+def _resolve_target(target: str | Target | None, world_size: int | None) -> Target:
+    """The target given; else the one `retarget launch` exported; else "single".
+
+    A target without a distribution strategy (or "single") in a run of several processes is
+    refused: every rank would train on its own, silently (Accelerate's failure mode under
+    torchrun without a distributed config).
+    """
+    if target is None:
+        from retarget.core.world import launched_target
+
+        target = launched_target() or "single"
+    target = parse_target(target)
+    processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    strategies = [name for name in target.names if name in STRATEGIES and name != "single"]
+    if world_size is None and processes > 1 and not strategies:
+        raise TargetError(
+            f"target '{target}' trains on one process, but this run has {processes} processes "
+            f"(WORLD_SIZE={processes}): each would train alone on its own data. Add a strategy "
+            f"(ddp, fsdp, zero1, zero2, hsdp), e.g. 'ddp+{target}', or launch one process",
+            part=str(target),
+        )
+    return target

@@ -1,0 +1,75 @@
+"""CompiledModule: what compile_for returns.
+
+The rewritten root is re-classed as `Compiled<YourModel>(CompiledModule, YourModel)`: it *is* an
+instance of the user's class (HF methods, `config`, `generate` keep working), its state_dict keys
+and parameter names are the original's, and it adds `report`, `history`, `program` and
+`unwrap()`. When the whole model is one captured region, its forward runs the graph; otherwise
+the original forward runs and the region modules inside it run theirs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from retarget.core.capturing import capturing
+from retarget.core.modules import sync_weights_into
+from retarget.ir.region import RegionModule
+
+if TYPE_CHECKING:
+    from retarget.ir.program import PassRecord, Program
+    from retarget.report.summary import Report
+    from retarget.runtime.runtime import Runtime
+
+
+class CompiledModule(RegionModule):
+    """Mixin of the module returned by `retarget.compile_for`."""
+
+    _retarget_mixin = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A wrapper the runtime installed (DDP, retarget.runtime.apply_plan) runs the call and sets
+        # itself aside while it runs this forward again; a capture traces the model's own code.
+        outer = self.__dict__.get("_retarget_outer_forward")
+        if outer is not None and not capturing():
+            return outer(*args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The training loop's helpers for this model: shard, prepare, backward, accumulate, ..."""
+        from retarget.runtime.runtime import Runtime
+
+        runtime = self.__dict__.get("_retarget_runtime")
+        if runtime is None:
+            runtime = self.__dict__["_retarget_runtime"] = Runtime(self)
+        return runtime
+
+    @property
+    def program(self) -> Program:
+        return self.__dict__["_retarget_program"]
+
+    @property
+    def report(self) -> Report:
+        """What was captured and what each pass did; prints as a table, `.to_dict()` for JSON."""
+        from retarget.report.summary import Report
+
+        return Report(self.program)
+
+    @property
+    def history(self) -> list[PassRecord]:
+        """Per pass: name, seconds, changed, stats, notes and region graph text after it."""
+        return self.program.history
+
+    def graphs(self, pass_name: str | None = None, when: str = "after") -> dict[str, str]:
+        """Region graph code now, or right before/after the named pass."""
+        if pass_name is None:
+            return self.program.graph_text()
+        return self.program.graphs_at(pass_name, when)
+
+    def unwrap(self) -> nn.Module:
+        """The original model object, carrying the current weights."""
+        original = self.program.original
+        sync_weights_into(self, original)
+        return original

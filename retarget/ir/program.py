@@ -1,0 +1,148 @@
+"""Program: the one object that flows through the pass pipeline.
+
+module     the structural copy being rewritten (it becomes the CompiledModule)
+original   the user's model, never edited; shares every parameter tensor with `module`
+tree       networkx DiGraph of the module hierarchy (find_blocks)
+blocks     repeated block groups found by structural hashing (find_blocks)
+regions    capture units with their graphs (capture_regions)
+analysis   per-module and per-region facts (annotate_shapes, later passes)
+plan       decisions that need a process group; passes write it, the runtime applies it
+history    per pass: name, seconds, changed, stats, notes, graph text after it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from retarget.ir.region import Region
+from retarget.target.grammar import Target
+
+ROOT = "<model>"
+
+
+@dataclass(frozen=True)
+class ExampleInputs:
+    """How the model is called: `model(*args, **kwargs)`."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def of(cls, example: Any) -> ExampleInputs | None:
+        """tuple -> positional args, dict -> keyword args, anything else -> one argument."""
+        if example is None:
+            return None
+        if isinstance(example, ExampleInputs):
+            return example
+        if isinstance(example, tuple):
+            return cls(example, {})
+        if isinstance(example, dict):
+            return cls((), dict(example))
+        return cls((example,), {})
+
+
+@dataclass
+class PassRecord:
+    """Provenance of one pass run."""
+
+    name: str
+    summary: str
+    numerics: str
+    seconds: float
+    changed: bool
+    stats: dict[str, Any]
+    notes: tuple[str, ...]
+    graphs: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "changed": self.changed,
+            "seconds": round(self.seconds, 6),
+            "stats": self.stats,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass
+class Program:
+    module: nn.Module
+    original: nn.Module
+    target: Target
+    example: ExampleInputs | None
+    capture: str = "regions"
+    tree: nx.DiGraph = field(default_factory=nx.DiGraph)
+    blocks: list[BlockGroup] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+    analysis: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    history: list[PassRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def submodule(self, path: str) -> nn.Module:
+        return self.module.get_submodule(path)
+
+    def region_of(self, path: str) -> Region | None:
+        return next((r for r in self.regions if path in r.paths), None)
+
+    def graph_text(self) -> dict[str, str]:
+        """The code of each region's representative graph, by region name."""
+        texts = {}
+        for region in self.regions:
+            graph = region.representative()
+            if graph is not None:
+                texts[region.name] = graph.gm.code.strip()
+        return texts
+
+    def graphs_at(self, pass_name: str, when: str = "after") -> dict[str, str]:
+        """Region graph text right after (or before) the named pass ran."""
+        if when not in ("before", "after"):
+            raise ValueError(f"when must be 'before' or 'after', got {when!r}")
+        names = [record.name for record in self.history]
+        if pass_name not in names:
+            raise KeyError(f"pass '{pass_name}' did not run; ran: {', '.join(names)}")
+        index = names.index(pass_name) + (0 if when == "after" else -1)
+        for record in reversed(self.history[: index + 1]):
+            if record.graphs:
+                return record.graphs
+        return {}
+
+    def state_keys(self) -> list[str]:
+        return list(self.module.state_dict().keys())
+
+    def run_example(self) -> Any:
+        """Run the rewritten module on the example inputs."""
+        assert self.example is not None, "run_example needs example inputs"
+        return self.module(*self.example.args, **self.example.kwargs)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+@dataclass
+class BlockGroup:
+    """Modules of one structure found at several paths (the repeats of a block)."""
+
+    block_type: str
+    paths: list[str]
+    fingerprint: str
+    parameters: int
+
+    @property
+    def name(self) -> str:
+        parents = {path.rpartition(".")[0] for path in self.paths}
+        if len(parents) == 1:
+            parent = parents.pop()
+            return f"{parent}.*" if parent else "*"
+        return f"{self.paths[0]} (+{len(self.paths) - 1})"
+
+
+def describe_tensor(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__

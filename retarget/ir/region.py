@@ -1,0 +1,204 @@
+"""Regions: module paths that share one captured graph per call signature.
+
+A `Region` is a distinct block type (say every `LlamaDecoderLayer` under `model.layers`) or the
+whole model. Each repeat's module is re-classed as a `RegionModule`, whose forward asks the
+region for the graph that matches the call's signature, capturing on a miss (so a last batch of
+another size costs one more capture, not a wrong answer), and runs it against the repeat's own
+live parameters. Passes rewrite a region's graphs through `add_transform`, which also replays the
+rewrite on every later capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from retarget.core.capturing import capturing_originals
+from retarget.core.errors import PassError
+from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
+
+PENDING = "pending"
+GraphTransform = Callable[[fx.GraphModule], None]
+#: Wraps a module's eager forward: the module-level form of a rewrite, for calls without a graph.
+EagerForm = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+@dataclass
+class Region:
+    """One capture unit: `paths` are its repeats, all computed by the same graph."""
+
+    name: str
+    block_type: str
+    paths: list[str]
+    frontends: tuple[str, ...] = tuple(FRONTENDS)
+    frontend: str = PENDING
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    reason: str = ""
+    graphs: dict[Any, CapturedGraph] = field(default_factory=dict)
+    transforms: list[tuple[str, GraphTransform]] = field(default_factory=list)
+    eager_forms: list[tuple[str, EagerForm]] = field(default_factory=list)
+    shared: bool = True
+    eager_only: bool = False
+    captures: int = 0
+    capture_seconds: float = 0.0
+    version: int = 0
+    eager_keys: set = field(default_factory=set, repr=False)
+
+    @property
+    def repeats(self) -> int:
+        return len(self.paths)
+
+    # -- capture --------------------------------------------------------------------------
+    def capture(
+        self, module: nn.Module, args: tuple, kwargs: dict, *, check: tuple[nn.Module, ...] = ()
+    ) -> CapturedGraph | None:
+        """Capture the call for `module`'s signature (checked on `check` repeats too)."""
+        with running_eagerly((module, *check)), capturing_originals():
+            result = capture_call(
+                module, args, kwargs, frontends=self.frontends, check_modules=check
+            )
+            if result.graph is None and check and _mismatch_only(result.failures):
+                # The graph is wrong for another repeat: repeats differ (layer-index code, say).
+                result = capture_call(module, args, kwargs, frontends=self.frontends)
+                if result.graph is not None:
+                    self.shared = False
+                    self.reason = "repeats compute differently; one graph per repeat"
+        self.captures += 1
+        self.capture_seconds += result.seconds
+        if result.graph is None:
+            if not self.graphs:
+                self.frontend, self.eager_only = EAGER, True
+                self.failures = result.failures
+                self.reason = result.reason
+            return None
+        if not self.graphs:
+            self.frontend, self.failures = result.frontend, result.failures
+            self.reason = self.reason or result.reason
+        # The train/eval mode is part of the signature; rewrites that differ by mode read it.
+        result.graph.gm.meta["training"] = module.training
+        for pass_name, transform in self.transforms:
+            _apply(pass_name, transform, result.graph)
+        self.graphs[self._key(module, args, kwargs)] = result.graph
+        return result.graph
+
+    def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        key = call_key(module, args, kwargs)
+        return key if self.shared else (module.__dict__.get("_retarget_path"), key)
+
+    def graph_for(self, module: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph | None:
+        """The graph for this call, capturing it on first sight; None means run eager."""
+        if self.eager_only:
+            return None
+        key = self._key(module, args, kwargs)
+        if key in self.graphs:
+            return self.graphs[key]
+        if key in self.eager_keys:
+            return None
+        graph = self.capture(module, args, kwargs)
+        if graph is None:
+            self.eager_keys.add(key)
+        return graph
+
+    # -- rewriting ------------------------------------------------------------------------
+    def add_transform(
+        self, pass_name: str, transform: GraphTransform, eager_form: EagerForm | None = None
+    ) -> int:
+        """Apply a graph rewrite to every captured graph now and every later capture.
+
+        `eager_form` is the same rewrite at module level; it wraps the forward of every call that
+        runs without a graph (an uncapturable region, or a signature that failed to capture), so
+        a rewrite is never silently lost. Returns how many graphs were rewritten now.
+        """
+        self.transforms.append((pass_name, transform))
+        if eager_form is not None:
+            self.eager_forms.append((pass_name, eager_form))
+        for graph in self.graphs.values():
+            _apply(pass_name, transform, graph)
+        self.version += 1
+        return len(self.graphs)
+
+    def representative(self) -> CapturedGraph | None:
+        """The first graph captured (what reports and dumps show)."""
+        return next(iter(self.graphs.values()), None)
+
+    # -- running --------------------------------------------------------------------------
+    def call(self, module: nn.Module, args: tuple, kwargs: dict, eager: Callable) -> Any:
+        graph = self.graph_for(module, args, kwargs)
+        if graph is None:
+            for _, wrap in self.eager_forms:
+                eager = wrap(eager)
+            return eager(*args, **kwargs)
+        bindings = module.__dict__.setdefault("_retarget_bindings", {})
+        cached = bindings.get(id(graph))
+        if cached is None or cached[0] != self.version:
+            cached = (self.version, graph.private_attributes(module))
+            bindings[id(graph)] = cached
+        return graph.run(module, args, kwargs, cached[1])
+
+
+def _mismatch_only(failures: list[tuple[str, str]]) -> bool:
+    return any("CaptureMismatch" in why for _, why in failures)
+
+
+@contextlib.contextmanager
+def running_eagerly(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+    """Let region modules run their original forward (while they are being traced)."""
+    parked = [(m, m.__dict__.pop("_retarget_region", None)) for m in modules]
+    try:
+        yield
+    finally:
+        for module, region in parked:
+            if region is not None:
+                module.__dict__["_retarget_region"] = region
+
+
+def _apply(pass_name: str, transform: GraphTransform, graph: CapturedGraph) -> None:
+    try:
+        transform(graph.gm)
+        graph.gm.graph.lint()
+        graph.gm.recompile()
+    except Exception as exc:
+        raise PassError(pass_name, [], f"graph rewrite failed: {exc}") from exc
+
+
+class RegionModule(nn.Module):
+    """Mixin for a module whose forward runs its region's captured graph."""
+
+    _retarget_mixin = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        region = self.__dict__.get("_retarget_region")
+        if region is None:
+            return super().forward(*args, **kwargs)
+        return region.call(self, args, kwargs, super().forward)
+
+
+def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a captured graph is specialised to: input structure, shapes, flags, autocast."""
+    leaves, spec = tree_flatten((args, kwargs))
+    described = tuple(_describe(leaf) for leaf in leaves)
+    # Walked every call, not cached: passes may swap submodules after the first call.
+    training = tuple(m.training for m in module.modules())
+    autocast = (
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+    )
+    return (spec, described, training, autocast)
+
+
+def _describe(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.is_contiguous())
+    try:
+        hash(leaf)
+    except TypeError:
+        return (type(leaf), id(leaf))
+    return (type(leaf), leaf)

@@ -1,0 +1,352 @@
+"""`retarget launch`: run a training script on N processes, torchrun underneath.
+
+    retarget launch --num_processes 2 train.py --lr 3e-4     # everything after train.py is its own
+
+is, on one machine,
+
+    python -m torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 \\
+        --master_addr 127.0.0.1 --master_port <a free port> train.py --lr 3e-4
+
+with each rank started through `worker.py` (which records a rank's exception for the
+summary below). `--num_processes 1` runs `python train.py ...` directly, no torchrun.
+
+Flags are Accelerate's (`--num_processes`, `--num_machines`, `--machine_rank`,
+`--main_process_ip`, `--main_process_port`, `--mixed_precision`, `--config_file`, also spelled
+with dashes), plus `--target`. Each setting comes from the first of: its flag, the config file
+(`--config_file`, else `$RETARGET_CONFIG`, else ~/.cache/retarget/default_config.yaml when it
+exists; `retarget.launch.config`), the default. Defaults: 1 process on 1 machine; target
+`single` for one process and `ddp` for more; mixed precision as the target says.
+
+The target in effect is exported to the script as `RETARGET_TARGET` (mixed precision folded
+in: `--target fsdp --mixed_precision bf16` gives `fsdp+bf16`); `launched_target()` reads it.
+
+Bad settings, a missing config file or script: a `LaunchError` before anything starts. When a
+rank fails, torchrun stops the others (SIGTERM, SIGKILL after 30 s) even when they wait in a
+collective, and the launcher ends with `rank 1 failed: ValueError: ...` and exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from retarget.core.world import TARGET_ENV
+from retarget.launch.config import (
+    RDZV_BACKENDS,
+    SETTINGS,
+    LaunchConfig,
+    LaunchError,
+    check_combination,
+    config_in_effect,
+    merged,
+    read_launch_config,
+    read_settings,
+)
+from retarget.target.grammar import Target
+from retarget.target.precisions import MIXED_PRECISION, with_precision
+
+__all__ = ["LaunchPlan", "resolve", "run", "torchrun_args"]
+
+WORKER = Path(__file__).with_name("worker.py")
+MULTI_MACHINE_PORT = 29500  # torchrun's default master port
+_TIME_NS_KEY = "retarget_time_ns"  # worker.TIME_NS_KEY (that file is run, not imported)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """Everything decided before launching: what runs, where, and for which target."""
+
+    script: str
+    """Path of the training script."""
+    script_args: tuple[str, ...] = ()
+    """Its arguments, passed untouched."""
+    target: Target
+    """The target in effect, exported as RETARGET_TARGET."""
+    target_origin: str = "default"
+    """Where the target came from, for the launch line."""
+    num_processes: int = 1
+    """Processes over all machines."""
+    num_machines: int = 1
+    """Machines (torchrun nodes)."""
+    machine_rank: int = 0
+    """This machine's rank."""
+    main_process_ip: str = "127.0.0.1"
+    """Rendezvous address (the rank-0 machine)."""
+    main_process_port: int = MULTI_MACHINE_PORT
+    """Rendezvous port."""
+    rdzv_backend: str = "static"
+    """torchrun rendezvous backend."""
+    use_cpu: bool = False
+    """Hide accelerators from the script."""
+    gpu_ids: str | None = None
+    """Devices of this machine the script sees; None: all."""
+    config_file: str | None = None
+    """The config file read, if any."""
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def direct(self) -> bool:
+        """One process on one machine: run the script without torchrun."""
+        return self.num_processes == 1
+
+
+def resolve(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    flags: LaunchConfig | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> LaunchPlan:
+    """Decide the launch: flags over the config file in effect over defaults; raises LaunchError.
+
+    Nothing is started; `run(plan)` starts it.
+    """
+    path = config_in_effect(config_file)
+    layers = [flags or LaunchConfig()] + ([read_launch_config(path)] if path else [])
+    settings = merged(layers)
+    processes, machines = settings.num_processes or 1, settings.num_machines or 1
+    target, origin = _target_in_effect(settings, processes)
+    final = replace(settings, target=target, num_processes=processes, num_machines=machines)
+    check_combination(final)
+    if machines > 1 and not final.main_process_ip:
+        raise LaunchError(
+            f"{final.origin('num_machines')} is {machines}: set --main_process_ip (or "
+            "main_process_ip in the config file) to the address of the rank-0 machine"
+        )
+    if not Path(script).is_file():
+        raise LaunchError(f"script {script!r} does not exist (or is not a file)")
+    port = final.main_process_port or (_free_port() if machines == 1 else MULTI_MACHINE_PORT)
+    return LaunchPlan(
+        script=script,
+        script_args=tuple(script_args),
+        target=target,
+        target_origin=origin,
+        num_processes=processes,
+        num_machines=machines,
+        machine_rank=final.machine_rank or 0,
+        main_process_ip=final.main_process_ip or "127.0.0.1",
+        main_process_port=port,
+        rdzv_backend=final.rdzv_backend or "static",
+        use_cpu=bool(final.use_cpu),
+        gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
+        config_file=None if path is None else str(path),
+    )
+
+
+def _target_in_effect(settings: LaunchConfig, processes: int) -> tuple[Target, str]:
+    """The target and where it came from; without one, single for 1 process, else ddp."""
+    if settings.target is not None:
+        return settings.target, settings.origin("target")
+    target = Target.parse("ddp" if processes > 1 else "single")
+    origin = f"default for {processes} process{'es' if processes > 1 else ''}"
+    if settings.mixed_precision:
+        target = with_precision(target, settings.mixed_precision)
+        origin += f" with {settings.origin('mixed_precision')} {settings.mixed_precision}"
+    return target, origin
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_args(plan: LaunchPlan) -> list[str]:
+    """The arguments of `python -m torch.distributed.run` (torchrun) for `plan`."""
+    args = ["--nproc_per_node", str(plan.nproc_per_node), "--nnodes", str(plan.num_machines)]
+    args += ["--node_rank", str(plan.machine_rank)]
+    if plan.rdzv_backend == "static":
+        args += [
+            "--master_addr",
+            plan.main_process_ip,
+            "--master_port",
+            str(plan.main_process_port),
+        ]
+    else:
+        endpoint = f"{plan.main_process_ip}:{plan.main_process_port}"
+        args += ["--rdzv_backend", plan.rdzv_backend, "--rdzv_endpoint", endpoint]
+    # --no_python: torchrun runs `python -u worker.py script args` as each rank's command.
+    args += ["--no_python", sys.executable, "-u", str(WORKER), plan.script, *plan.script_args]
+    return args
+
+
+def worker_env(plan: LaunchPlan) -> dict[str, str]:
+    """Variables the script's processes get on top of the launcher's environment."""
+    env = {TARGET_ENV: str(plan.target)}
+    if plan.use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif plan.gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = plan.gpu_ids
+    return env
+
+
+def describe(plan: LaunchPlan) -> str:
+    """One line saying what is launched, for the launcher's stderr."""
+    machines = f"{plan.num_machines} machine{'s' if plan.num_machines > 1 else ''}"
+    rendezvous = f"{plan.main_process_ip}:{plan.main_process_port}"
+    how = "directly" if plan.direct else f"torchrun on {rendezvous}"
+    return (
+        f"retarget launch: {plan.script} on {plan.num_processes} process"
+        f"{'es' if plan.num_processes > 1 else ''} ({machines}, {how}), target {plan.target} "
+        f"({plan.target_origin}), config {plan.config_file or 'none'}"
+    )
+
+
+def run(plan: LaunchPlan) -> int:
+    """Run the plan to the end; returns the exit code (non-zero when any rank failed)."""
+    with _environment(worker_env(plan)):
+        if plan.direct:
+            return _run_direct(plan)
+        return _run_torchrun(plan)
+
+
+@contextlib.contextmanager
+def _environment(extra: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with `extra` set; restored afterwards (torchrun's ranks inherit os.environ)."""
+    saved = dict(os.environ)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode  # killed by signal N: 128 + N
+
+
+def _run_direct(plan: LaunchPlan) -> int:
+    process = subprocess.Popen([sys.executable, plan.script, *plan.script_args])
+    # Ctrl-C reaches the script from the terminal too: wait for it to finish, do not orphan it.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.terminate())
+    try:
+        while True:
+            with contextlib.suppress(KeyboardInterrupt):
+                return _exit_code(process.wait())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_torchrun(plan: LaunchPlan) -> int:
+    # torchrun in this process (as Accelerate runs it): its ChildFailedError says which rank
+    # failed and how, which `python -m torch.distributed.run` would only print.
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args(plan)))
+    except ChildFailedError as failed:
+        for line in failure_summary(failed.failures):
+            print(f"retarget launch: {line}", file=sys.stderr)
+        return 1
+    except SignalException as stopped:  # the launcher itself was interrupted or terminated
+        print(f"retarget launch: stopped by {stopped.sigval.name}", file=sys.stderr)
+        return 128 + int(stopped.sigval)
+    return 0
+
+
+def failure_summary(failures: Mapping[int, Any]) -> list[str]:
+    """One line per failed rank, the first failure first: `rank 1 failed: ValueError: ...`.
+
+    `failures` maps global rank -> torch's ProcessFailure. The first failure is the earliest
+    recorded exception (nanosecond timestamps from worker), else the earliest observed
+    exit; ranks that torchrun itself stopped with SIGTERM after a failure come last.
+    """
+
+    def order(rank: int) -> tuple[bool, int, int]:
+        failure = failures[rank]
+        recorded = _recorded(failure)
+        stopped = recorded is None and failure.exitcode == -signal.SIGTERM
+        return stopped, recorded[0] if recorded else failure.timestamp * 10**9, rank
+
+    first, *rest = sorted(failures, key=order)
+    lines = [f"rank {first} failed: {_cause(failures[first])}"]
+    lines += [f"rank {rank} stopped after it: {_cause(failures[rank])}" for rank in rest]
+    return lines
+
+
+def _recorded(failure: Any) -> tuple[int, str] | None:
+    """(time_ns, "Type: message") from the rank's error file, when worker.py wrote one."""
+    message = failure.error_file_data.get("message")
+    if not isinstance(message, dict) or _TIME_NS_KEY not in message.get("extraInfo", {}):
+        return None
+    return int(message["extraInfo"][_TIME_NS_KEY]), str(message.get("message", ""))
+
+
+def _cause(failure: Any, limit: int = 300) -> str:
+    recorded = _recorded(failure)
+    if recorded:
+        text = " ".join(recorded[1].split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    return (
+        f"exited with code {failure.exitcode} without a Python exception (os._exit or a crash "
+        "in native code: see its output above)"
+    )
+
+
+# ------------------------------------------------------------------------------ command line
+#: Flag spellings per setting (Accelerate's names; each also with dashes).
+_FLAG_NAMES = {name: (f"--{name}",) for name in SETTINGS}
+_FLAG_NAMES.update(use_cpu=("--cpu", "--use_cpu"))
+#: Per setting: metavar and help.
+_FLAG_HELP = {
+    "target": ("SPEC", "target spec, e.g. fsdp+bf16 (default: single for 1 process, else ddp)"),
+    "num_processes": ("N", "processes over all machines (default 1)"),
+    "num_machines": ("M", "machines taking part (default 1)"),
+    "machine_rank": ("R", "this machine's rank, 0 .. M-1 (default 0)"),
+    "main_process_ip": (
+        "IP",
+        "address of the rank-0 machine (default 127.0.0.1; needed for M > 1)",
+    ),
+    "main_process_port": ("PORT", "its port (default: a free port on one machine, else 29500)"),
+    "mixed_precision": ("|".join(MIXED_PRECISION), "replaces the target's precision parts"),
+    "use_cpu": (None, "hide accelerators from the script (CUDA_VISIBLE_DEVICES='')"),
+    "gpu_ids": ("IDS", "devices of this machine to use, e.g. 0,1 (default all)"),
+    "rdzv_backend": ("|".join(RDZV_BACKENDS), "torchrun rendezvous (default static)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `retarget launch` flags, then the script and its untouched arguments."""
+    for name, spellings in _FLAG_NAMES.items():
+        names = [*spellings, *(s.replace("_", "-") for s in spellings if "_" in s)]
+        metavar, help_text = _FLAG_HELP[name]
+        if metavar is None:
+            parser.add_argument(
+                *names, dest=name, action="store_true", default=None, help=help_text
+            )
+        else:
+            parser.add_argument(*names, dest=name, metavar=metavar, help=help_text)
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        metavar="FILE",
+        help="launch settings (ours or an Accelerate config; default: $RETARGET_CONFIG, else "
+        "~/.cache/retarget/default_config.yaml if it exists)",
+    )
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
+    """The plan for parsed `retarget launch` arguments; raises LaunchError."""
+    flags = read_settings(
+        {name: getattr(args, name) for name in SETTINGS}, lambda name: _FLAG_NAMES[name][0]
+    )
+    return resolve(args.script, args.script_args, flags=flags, config_file=args.config_file)

@@ -1,0 +1,269 @@
+"""Predict a training step's memory per rank: parameters, gradients, optimizer state, activations.
+
+    >>> print(estimate_memory(compiled, world_size=8))          # a compiled model
+    >>> estimate_for_target(model, "fsdp+bf16+ac", batch, world_size=8)   # CLI: estimate-memory
+
+Parameters, gradients and optimizer state are counted, not modelled: the rewritten model's
+parameters (tied ones once), gradients of the same dtype for those that require grad, and the
+optimizer's state as torch creates it (Adam/AdamW: `exp_avg` and `exp_avg_sq` in the
+parameter's dtype plus a 4-byte `step` per parameter; SGD with momentum: one buffer). Sharding
+follows the strategy table (`retarget.target.strategies`): FSDP2 shards every parameter along
+dim 0 in chunks of ceil(dim0 / ranks), so the largest rank (rank 0) holds that many rows of
+each; those are the per-rank figures. Activations come from one profiled forward
+(`passes/memory/activation_profile.py`) of the rewritten
+model on the example inputs, so precision is what the model really runs (bf16 autocast halves
+the matmul outputs it keeps, fp8 modules keep what they keep), and the effect of `ac` is the
+plan checkpoint_blocks chose. Activations are per rank as given: the example inputs are one
+rank's batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
+from retarget.passes.memory.measure import format_bytes
+from retarget.target.grammar import Target, parse_target
+from retarget.target.strategies import STRATEGY
+
+#: Optimizer -> (state tensors per parameter shaped like it, whether it keeps a `step` tensor).
+OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "adam": (2, True),
+    "adamw": (2, True),
+    "sgd": (1, False),
+    "none": (0, False),
+}
+#: Target parts that change what one process computes; the others distribute it.
+LOCAL_PARTS = ("bf16", "fp16", "fp8", "ac")
+_STEP_BYTES = 4  # torch keeps Adam's step as a float32 scalar tensor per parameter
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank, by component; activations by owner (glue and each block group)."""
+
+    target: str
+    world_size: int
+    shards: int
+    optimizer: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: dict[str, int] | None
+    activations_without_ac: dict[str, int] | None
+    recompute_transient: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        """Parameters + gradients + optimizer state + activations after forward."""
+        held = self.parameters + self.gradients + self.optimizer_state
+        return held + sum((self.activations or {}).values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "world_size": self.world_size,
+            "shards": self.shards,
+            "optimizer": self.optimizer,
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "activations": self.activations,
+            "activations_without_ac": self.activations_without_ac,
+            "recompute_transient": self.recompute_transient,
+            "total": self.total,
+            "notes": list(self.notes),
+        }
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(component, bytes per rank, bytes without ac) rows of the table."""
+        rows = [
+            ("parameters", format_bytes(self.parameters), ""),
+            ("gradients", format_bytes(self.gradients), ""),
+            (f"optimizer state ({self.optimizer})", format_bytes(self.optimizer_state), ""),
+        ]
+        if self.activations is None:
+            return [*rows, ("activations", "unknown", "see note")]
+        before = self.activations_without_ac
+
+        def without(owner: str | None = None) -> str:
+            if before is None:
+                return ""
+            return format_bytes(sum(before.values()) if owner is None else before.get(owner, 0))
+
+        rows.append(("activations", format_bytes(sum(self.activations.values())), without()))
+        for owner, size in self.activations.items():
+            rows.append((f"  {owner}", format_bytes(size), without(owner)))
+        if self.recompute_transient:
+            rows.append(("  + one block recomputed", format_bytes(self.recompute_transient), ""))
+        rows.append(("total", format_bytes(self.total), ""))
+        return rows
+
+    def __str__(self) -> str:
+        shard = f", sharded over {self.shards}" if self.shards > 1 else ""
+        title = (
+            f"memory per rank: target {self.target}, world size {self.world_size}{shard}, "
+            f"optimizer {self.optimizer}"
+        )
+        header = ("component", "bytes", "without ac" if self.activations_without_ac else "")
+        table = [header, *self.rows()]
+        widths = [max(len(row[i]) for row in table) for i in range(3)]
+        lines = [title]
+        for row in table:
+            cells = (row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2]))
+            lines.append("  " + "  ".join(cells).rstrip())
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def estimate_memory(
+    source: Any,
+    *,
+    target: str | Target | None = None,
+    world_size: int | None = None,
+    optimizer: str = "adam",
+    run: bool = True,
+) -> MemoryEstimate:
+    """Estimate per-rank memory of a compiled model (or its Program).
+
+    `target` defaults to the one it was compiled for; `world_size` to the current one (the
+    process group's, else WORLD_SIZE, else 1). Activations come from the profile that
+    checkpoint_blocks made; without one and with `run=True` a profiled forward runs now (on
+    example inputs; in a distributed run call it on every rank, the forward may communicate).
+    """
+    program = getattr(source, "program", source)
+    target = parse_target(target if target is not None else program.target)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, not {optimizer!r}")
+    if world_size is None:  # the world the plan was made for (compile_for(world_size=)), else ours
+        world_size = program.analysis.get("world_size") or current_world_size()
+    world = world_size
+    if world < 1:
+        raise ValueError(f"world_size must be at least 1, not {world}")
+    shards, notes = _shards(target, world)
+    sharded = STRATEGY[target.strategy].shards
+    params = _unique_parameters(program.module)
+    trained = [p for p in params if p.requires_grad]
+    profile = program.analysis.get("activation_profile")
+    if profile is None and run and program.example is not None:
+        profile = _profile_now(program)
+    plan = program.analysis.get("checkpoint", {}).get("plan", {})
+    if profile is None and program.example is None:
+        notes.append("activations unknown: no example inputs to profile a forward with")
+    elif profile is None:
+        notes.append(
+            "activations not measured here (it takes a forward): estimate_memory(compiled) or "
+            "`retarget estimate-memory` measures them"
+        )
+    if target.strategy == "ddp":
+        notes.append(
+            "DDP also keeps gradient buckets the size of the gradients, unless "
+            "ddp[gradient_as_bucket_view=true]"
+        )
+    return MemoryEstimate(
+        target=str(target),
+        world_size=world,
+        shards=shards,
+        optimizer=optimizer,
+        parameters=sum(_bytes(p, shards if sharded[0] else 1) for p in params),
+        gradients=sum(_bytes(p, shards if sharded[1] else 1) for p in trained),
+        optimizer_state=_optimizer_bytes(trained, optimizer, shards if sharded[2] else 1),
+        activations=_by_group(program, profile, plan) if profile else None,
+        activations_without_ac=_by_group(program, profile, {}) if profile and plan else None,
+        recompute_transient=profile.transient(plan) if profile and plan else 0,
+        notes=tuple(notes),
+    )
+
+
+def estimate_for_target(
+    model: nn.Module,
+    target: str | Target,
+    example_inputs: Any,
+    *,
+    world_size: int | None = None,
+    optimizer: str = "adam",
+) -> MemoryEstimate:
+    """Estimate `model` under `target` without launching ranks (what `estimate-memory` runs).
+
+    The model is compiled for the target's local parts (precision, ac) in this process, and the
+    distribution parts are applied arithmetically for `world_size` ranks.
+    """
+    from retarget.driver.compile import compile_for
+
+    target = parse_target(target)
+    compiled = compile_for(model, local_target(target), example_inputs=example_inputs)
+    return estimate_memory(
+        compiled, target=target, world_size=world_size, optimizer=optimizer, run=True
+    )
+
+
+def local_target(target: Target) -> Target:
+    """The parts of `target` that change what one process computes (`single` when none)."""
+    parts = tuple(part for part in target.parts if part.name in LOCAL_PARTS)
+    return Target(parts) if parts else parse_target("single")
+
+
+def current_world_size() -> int:
+    """The process group's size, else torchrun's WORLD_SIZE, else 1; initialises nothing."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _shards(target: Target, world: int) -> tuple[int, list[str]]:
+    notes: list[str] = []
+    if target.strategy == "hsdp":
+        shard = target.get("hsdp").get("shard")
+        if not shard:
+            notes.append("hsdp[shard=0]: assumed one shard group spanning all ranks")
+        return (shard or world), notes
+    return (world if any(STRATEGY[target.strategy].shards) else 1), notes
+
+
+def _unique_parameters(module: nn.Module) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for parameter in module.parameters():
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        seen.setdefault(id(local.untyped_storage()), parameter)
+    return list(seen.values())
+
+
+def _bytes(tensor: torch.Tensor, shards: int) -> int:
+    """Bytes of the largest rank's shard: ceil(dim0 / shards) rows (FSDP2's dim-0 chunks)."""
+    shape = tuple(tensor.shape) or (1,)  # a DTensor's shape is the global one
+    rows = -(-shape[0] // shards)
+    numel = rows
+    for size in shape[1:]:
+        numel *= size
+    return numel * tensor.element_size()
+
+
+def _optimizer_bytes(params: list[torch.Tensor], optimizer: str, shards: int) -> int:
+    states, step = OPTIMIZERS[optimizer]
+    per_state = sum(_bytes(p, shards) for p in params)
+    return states * per_state + (_STEP_BYTES * len(params) if step else 0)
+
+
+def _profile_now(program) -> ActivationProfile:
+    groups = {path: group.name for group in program.blocks for path in group.paths}
+    example = program.example
+    return profile_activations(program.module, groups, example.args, example.kwargs)
+
+
+def _by_group(program, profile: ActivationProfile, plan: dict[str, str]) -> dict[str, int]:
+    """Activation bytes by owner: the glue, then each block group (all its repeats)."""
+    owners = profile.by_owner(plan)
+    grouped = {GLUE: owners.pop(GLUE)}
+    for path, size in owners.items():
+        name = profile.blocks[path].group
+        grouped[name] = grouped.get(name, 0) + size
+    return grouped

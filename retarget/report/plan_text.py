@@ -1,0 +1,101 @@
+"""The distribution plan as report lines: DDP buckets, FSDP units per rank, hooks, applied or not.
+
+`retarget.report.summary` appends these lines to the text report; the JSON report carries the plan
+itself (`to_dict()["plan"]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SHOWN_RANKS = 8
+_DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """Lines for the text report; [] when the plan has nothing about distribution."""
+    if "ddp" not in plan and "fsdp" not in plan:
+        return []
+    kind = "ddp" if "ddp" in plan else "fsdp"
+    entry = plan[kind]
+    lines = ["", f"distribution plan: {entry['strategy']} over {entry['world']}; {_applied(plan)}"]
+    if kind == "ddp":
+        lines += _ddp_lines(entry)
+    else:
+        lines += _fsdp_lines(entry)
+    if "zero1" in plan:
+        shares = plan["zero1"]["per_rank"]
+        lines.append(
+            "  zero1: optimizer state per rank (elements) "
+            + " | ".join(f"{n:,}" for n in shares[:_SHOWN_RANKS])
+            + " (runtime.prepare(optimizer) makes it a ZeroRedundancyOptimizer)"
+        )
+    if "comm_hook" in plan:
+        from retarget.passes.comm.install_comm_hook import describe
+
+        lines.append(f"  comm hook: {describe(plan['comm_hook'])}")
+    return lines
+
+
+def _applied(plan: dict[str, Any]) -> str:
+    applied = plan.get("applied")
+    if applied is None:
+        return "not applied yet"
+    if not applied["applied"]:
+        return f"not applied: {applied['reason']}"
+    return f"applied: {applied['wrapped']} on {applied['backend']}, {applied['device']}"
+
+
+def _ddp_lines(entry: dict[str, Any]) -> list[str]:
+    buckets = entry["buckets"]
+    options = entry["options"]
+    lines = [
+        f"  DDP buckets: {len(buckets)} bucket{'s' if len(buckets) != 1 else ''} "
+        f"(cap {options['bucket_cap_mb']} MiB, first 1 MiB), launched in this order"
+    ]
+    rows = [("bucket", "tensors", "elements", "MiB", "parameters")]
+    for i, b in enumerate(buckets):
+        names = b["parameters"]
+        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        rows.append((str(i), str(len(names)), f"{b['numel']:,}", f"{b['mib']}", span))
+    lines += _table(rows)
+    flags = [k for k in _DDP_FLAGS if options[k]]
+    if flags:
+        lines.append(f"  DDP options: {', '.join(flags)}")
+    return lines
+
+
+def _fsdp_lines(entry: dict[str, Any]) -> list[str]:
+    mesh = entry["mesh"]
+    shape = " x ".join(f"{n} {d}" for n, d in zip(mesh["shape"], mesh["dims"], strict=True))
+    reshard = (
+        "resharded after forward"
+        if entry["reshard_after_forward"]
+        else "kept gathered from forward to backward"
+    )
+    lines = [f"  FSDP2 units on mesh ({shape}); parameters {reshard}"]
+    precision = entry["mixed_precision"]
+    if precision:
+        lines.append(
+            f"  MixedPrecisionPolicy: gather in {precision['param_dtype']}, reduce-scatter "
+            f"gradients in {precision['reduce_dtype']} (the gradient communication dtype)"
+        )
+    if entry["offload"]:
+        lines.append(f"  CPUOffloadPolicy(pin_memory={entry['offload']['pin_memory']})")
+    rows = [("unit", "block", "parameters", "per rank")]
+    for unit in entry["units"]:
+        per_rank = unit["per_rank"]
+        shown = " | ".join(f"{n:,}" for n in per_rank[:_SHOWN_RANKS])
+        more = f" (+{len(per_rank) - _SHOWN_RANKS} ranks)" if len(per_rank) > _SHOWN_RANKS else ""
+        rows.append(
+            (unit["path"] or "<root>", unit["block"], f"{unit['parameters']:,}", shown + more)
+        )
+    return lines + _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "    " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]

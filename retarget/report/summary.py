@@ -1,0 +1,125 @@
+"""Report: what compile_for did, as a table for people and a dict for tools.
+
+print(compiled.report)              # regions, passes, per-module decisions
+json.dumps(compiled.report.to_dict())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from retarget.ir.program import Program
+from retarget.report.memory_estimate import MemoryEstimate, estimate_memory
+from retarget.report.plan_text import plan_lines
+
+
+class Report:
+    def __init__(self, program: Program):
+        self.program = program
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._to_dict(estimate_memory(self.program, run=False))
+
+    def _to_dict(self, memory: MemoryEstimate) -> dict[str, Any]:
+        p = self.program
+        return {
+            "target": str(p.target),
+            "capture": p.capture,
+            "lazy": p.example is None,
+            "model": type(p.original).__name__,
+            "parameters": sum(t.numel() for t in p.original.parameters()),
+            "regions": [
+                {
+                    "name": r.name,
+                    "block_type": r.block_type,
+                    "frontend": r.frontend,
+                    "reason": r.reason,
+                    "failures": [{"frontend": f, "reason": w} for f, w in r.failures],
+                    "repeats": r.repeats,
+                    "paths": list(r.paths),
+                    "shared_graph": r.shared,
+                    "signatures": len(r.graphs),
+                    "capture_seconds": round(r.capture_seconds, 4),
+                }
+                for r in p.regions
+            ],
+            "passes": [record.to_dict() for record in p.history],
+            "modules": p.analysis.get("modules", {}),
+            "fp8": p.analysis.get("fp8"),
+            "plan": p.plan,
+            "memory": memory.to_dict(),
+            "notes": list(p.notes),
+        }
+
+    def __str__(self) -> str:
+        memory = estimate_memory(self.program, run=False)  # once, for the dict and the table
+        d = self._to_dict(memory)
+        lines = [
+            f"retarget report: {d['model']} ({d['parameters']:,} parameters)",
+            f"target: {d['target']}    capture: {d['capture']}"
+            + (
+                "    (lazy: no example_inputs, regions captured at first call)" if d["lazy"] else ""
+            ),
+            "",
+            "regions",
+        ]
+        rows = [("name", "block", "repeats", "frontend", "reason")]
+        for r in d["regions"]:
+            rows.append((r["name"], r["block_type"], str(r["repeats"]), r["frontend"], r["reason"]))
+        lines += _table(rows)
+        lines += ["", "passes"]
+        rows = [("pass", "changed", "seconds", "stats / notes")]
+        for record in d["passes"]:
+            stats = ", ".join(f"{k}={v}" for k, v in record["stats"].items())
+            rows.append(
+                (
+                    record["name"],
+                    "yes" if record["changed"] else "no",
+                    f"{record['seconds']:.3f}",
+                    stats,
+                )
+            )
+        lines += _table(rows)
+        noted = [(r["name"], note) for r in d["passes"] for note in r["notes"]]
+        if noted:  # full text: notes carry the decisions, a table cell would cut them
+            lines += ["", "notes"] + [f"  {name}: {note}" for name, note in noted]
+        if d["modules"]:
+            lines += ["", "linear / conv modules"]
+            fp8 = (d["fp8"] or {}).get("linears", {})
+            header = ("module", "class", "weight", "flops", "inputs")
+            rows = [header + (("fp8",) if fp8 else ())]
+            for path, m in d["modules"].items():
+                row = (
+                    path,
+                    m["class"],
+                    m["weight"],
+                    f"{m['flops']:,}",
+                    " ".join(m.get("inputs", [])),
+                )
+                if fp8:
+                    row += (_fp8_decision(fp8.get(path)),)
+                rows.append(row)
+            lines += _table(rows)
+        lines += ["", *str(memory).splitlines()]
+        lines += plan_lines(d["plan"])
+        lines += [f"note: {note}" for note in d["notes"]]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _fp8_decision(decision: dict[str, Any] | None) -> str:
+    if decision is None:
+        return ""
+    if decision["swapped"]:
+        return f"swapped ({decision.get('class', 'fp8')})"
+    return f"kept: {decision['rule']}"
+
+
+def _table(rows: list[tuple[str, ...]], limit: int = 90) -> list[str]:
+    rows = [tuple(c if len(c) <= limit else c[: limit - 3] + "..." for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]

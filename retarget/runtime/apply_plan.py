@@ -1,0 +1,287 @@
+"""Apply the distribution plan the passes recorded: DDP or FSDP2 on the compiled model.
+
+`compile_for` calls `apply_plan(program)` after the passes. With a `ddp` or `fsdp` entry in
+`program.plan` it takes this process's `ProcessState` (initialising the process group from
+torchrun's environment), and:
+
+- world of one: applies nothing and says so in the plan (`plan["applied"]`) and the report;
+- DDP: torch's DistributedDataParallel wraps a small module that owns the compiled model and
+  runs its forward. The DDP object is kept in the compiled model's `__dict__`, outside
+  `_modules`, and the compiled model's forward calls through it (`OUTER_FORWARD`), so
+  state_dict keys, parameter names and `isinstance` stay the user's while every DDP feature
+  (buckets, no_sync, comm hooks, buffer broadcast, static graph) is torch's own. The comm hook
+  from `plan["comm_hook"]` is registered on it.
+- FSDP2: `fully_shard` on each planned unit (repeated blocks, then the root) over a 1-D mesh, or
+  a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
+  plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
+  hold; parameters become DTensor shards.
+
+Region graphs capture new call signatures while the model runs (a last, smaller batch); that
+capture traces the module's own forward, so the hooks FSDP installed on the module (which
+all-gather and free parameters) are made to stand aside while `region.capturing()` is true:
+the outer call's hooks have already gathered the parameters the capture reads.
+
+What was applied is kept as an `Applied` record in the compiled model's `__dict__` (APPLIED),
+which the Runtime reads for no_sync, gradient sync and hook statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from retarget.core.capturing import capturing
+from retarget.ir.program import Program
+from retarget.runtime.process import ProcessState
+
+#: compiled.__dict__ key of a callable the compiled model's forward calls through (DDP).
+OUTER_FORWARD = "_retarget_outer_forward"
+#: compiled.__dict__ key of the Applied record.
+APPLIED = "_retarget_applied"
+_DISTRIBUTED = ("ddp", "fsdp")
+
+
+@dataclass
+class Applied:
+    """What apply_plan did to a compiled model: kind "ddp" or "fsdp" and the objects it made."""
+
+    kind: str
+    state: ProcessState
+    ddp: Any = None
+    hook_state: Any = None
+    fsdp_modules: list[nn.Module] = field(default_factory=list)
+    mesh: Any = None
+
+    @property
+    def fsdp_root(self) -> nn.Module | None:
+        return self.fsdp_modules[-1] if self.fsdp_modules else None
+
+
+def applied_of(module: nn.Module) -> Applied | None:
+    """The Applied record of a compiled model, or None when compile_for applied no plan."""
+    return module.__dict__.get(APPLIED)
+
+
+def apply_plan(program: Program) -> None:
+    """Realise program.plan's ddp/fsdp entry on program.module (see the module docstring).
+
+    Then install the optimizer step guard where a plain optimizer would step wrongly
+    (runtime.optimizers.install_guard: FSDP-replaced parameters, zero1, fp16).
+    """
+    from retarget.runtime.optimizers import install_guard
+
+    _apply(program)
+    install_guard(program)
+
+
+def _apply(program: Program) -> None:
+    plan = program.plan
+    kind = next((k for k in _DISTRIBUTED if k in plan), None)
+    if kind is None:
+        _note_lonely_processes(program)
+        return
+    state = ProcessState.current()
+    planned = plan[kind]["world_size"]
+    if state.world_size == 1:
+        plan["applied"] = {"applied": False, "reason": "world size is 1"}
+        planned_for = "" if planned == 1 else f" (the plan shown is for {plan[kind]['world']})"
+        program.notes.append(
+            f"plan not applied: world size is 1, the model trains in this one process"
+            f"{planned_for}. Launch N processes (retarget launch --num_processes N, or torchrun) "
+            "to distribute it"
+        )
+        return
+    if planned != state.world_size:
+        raise ValueError(
+            f"compile_for planned '{program.target}' for {plan[kind]['world']}, but this run "
+            f"has {state.world_size} processes: drop world_size= (the run's own size is used) "
+            f"or launch {planned} processes"
+        )
+    module = program.module
+    if state.device.type != "cpu":
+        module.to(state.device)
+    applied = _apply_ddp(program, state) if kind == "ddp" else _apply_fsdp(program, state)
+    module.__dict__[APPLIED] = applied
+    plan["applied"] = {
+        "applied": True,
+        "world_size": state.world_size,
+        "backend": state.backend,
+        "device": str(state.device),
+        "wrapped": _wrapped(applied),
+    }
+
+
+def _wrapped(applied: Applied) -> str:
+    if applied.kind == "ddp":
+        hook = applied.hook_state
+        return "DistributedDataParallel" + (f" + {type(hook).__name__}" if hook else "")
+    return f"fully_shard x {len(applied.fsdp_modules)} (mesh {tuple(applied.mesh.shape)})"
+
+
+def _note_lonely_processes(program: Program) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        program.notes.append(
+            f"target '{program.target}' has no distribution part but this run has {world} "
+            "processes: each one trains its own copy, gradients are not synchronised (add ddp "
+            "or fsdp to the target)"
+        )
+
+
+# -- DDP -------------------------------------------------------------------------------------
+
+
+class DdpModule(nn.Module):
+    """What DistributedDataParallel wraps: owns the compiled model, runs its forward.
+
+    While it runs the model, the compiled model's OUTER_FORWARD is set aside, so the model's
+    forward runs its own code instead of calling DDP again.
+    """
+
+    def __init__(self, compiled: nn.Module):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        held = self.compiled.__dict__
+        outer = held.pop(OUTER_FORWARD, None)
+        try:
+            return self.compiled.forward(*args, **kwargs)
+        finally:
+            if outer is not None:
+                held[OUTER_FORWARD] = outer
+
+
+def _apply_ddp(program: Program, state: ProcessState) -> Applied:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from retarget.runtime.comm_hooks import build_hook
+
+    module = program.module
+    device_ids = [state.device.index] if state.device.type == "cuda" else None
+    ddp = DistributedDataParallel(
+        DdpModule(module), device_ids=device_ids, **program.plan["ddp"]["options"]
+    )
+    applied = Applied("ddp", state, ddp=ddp)
+    hook_entry = program.plan.get("comm_hook")
+    if hook_entry is not None:
+        applied.hook_state, hook = build_hook(hook_entry)
+        ddp.register_comm_hook(applied.hook_state, hook)
+    module.__dict__[OUTER_FORWARD] = functools.partial(_through_ddp, ddp, module)
+    return applied
+
+
+def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call the model through DDP, in the train/eval mode the user set on the model."""
+    if ddp.training != compiled.training:
+        ddp.train(compiled.training)
+    return ddp(*args, **kwargs)
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------
+
+
+def _apply_fsdp(program: Program, state: ProcessState) -> Applied:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    entry = program.plan["fsdp"]
+    # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes fully_shard HSDP.
+    shape, dims = tuple(entry["mesh"]["shape"]), tuple(entry["mesh"]["dims"])
+    mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=dims)
+    if entry["sync_module_states"]:
+        broadcast_module_states(program.module)
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": entry["reshard_after_forward"],
+        "mp_policy": mixed_precision_policy(entry["mixed_precision"]),
+        "offload_policy": offload_policy(entry["offload"]),
+    }
+    applied = Applied("fsdp", state, mesh=mesh)
+    for unit in entry["units"]:
+        module = program.submodule(unit["path"]) if unit["path"] else program.module
+        with hooks_skip_captures(module):
+            fully_shard(module, **kwargs)
+        applied.fsdp_modules.append(module)
+    if entry["state_dict"] == "full":
+        program.module.register_state_dict_post_hook(_full_state_dict)
+        program.module.register_load_state_dict_pre_hook(_shard_loaded_state)
+    return applied
+
+
+def mixed_precision_policy(entry: dict[str, str] | None) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if entry is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, entry["param_dtype"]),
+        reduce_dtype=getattr(torch, entry["reduce_dtype"]),
+    )
+
+
+def offload_policy(entry: dict[str, bool] | None) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return OffloadPolicy() if entry is None else CPUOffloadPolicy(pin_memory=entry["pin_memory"])
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers (sync_module_states)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+@contextlib.contextmanager
+def hooks_skip_captures(module: nn.Module) -> Iterator[None]:
+    """Forward hooks registered on `module` inside this block do nothing during a capture."""
+    before = (set(module._forward_pre_hooks), set(module._forward_hooks))
+    yield
+    for hooks, old in zip((module._forward_pre_hooks, module._forward_hooks), before, strict=True):
+        for key in set(hooks) - old:
+            hooks[key] = _unless_capturing(hooks[key])
+
+
+def _unless_capturing(hook: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        return None if capturing() else hook(*args, **kwargs)
+
+    return guarded
+
+
+def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict=full: DTensor shards become whole tensors (all ranks must call state_dict)."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def _shard_loaded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """state_dict=full: whole tensors loaded into DTensor parameters become this rank's shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    current = _sharded_state(module)
+    for key, value in list(state_dict.items()):
+        target = current.get(key[len(prefix) :] if key.startswith(prefix) else key)
+        if isinstance(target, DTensor) and not isinstance(value, DTensor):
+            state_dict[key] = distribute_tensor(
+                value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
+
+
+def _sharded_state(module: nn.Module) -> dict[str, Any]:
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    return named

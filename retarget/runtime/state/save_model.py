@@ -1,0 +1,225 @@
+"""save_model / get_state_dict / load_model: the trained weights, full and unsharded, for anyone.
+
+A checkpoint (save_state) is for resuming this run; `save_model` is for using the weights
+elsewhere: one set of full tensors with the model's own state_dict keys, whatever target it was
+trained under (DDP's `module.` prefix and FSDP's shards are gone), in Hugging Face's layout:
+
+    model-00001-of-00002.safetensors    shards of at most max_shard_size bytes of tensors
+    model-00002-of-00002.safetensors
+    model.safetensors.index.json        {"metadata": {"total_size": n}, "weight_map": {key: shard}}
+    config.json                         when the model has a Hugging Face config
+
+so `AutoModel.from_pretrained(dir)` loads it, and so does `load_model(plain_model, dir)`.
+Tied weights (GPT-2's `lm_head.weight` is `transformer.wte.weight`) are saved once, under the
+first key in state_dict order, as Hugging Face does; the index's `metadata.tied_weights` maps
+each dropped key to the one kept, and `load_model` fills it back in.
+
+    >>> save_model(model, "out/llama", max_shard_size="500MB")    # every rank calls it
+    >>> load_model(LlamaForCausalLM(config), "out/llama")
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from retarget.runtime.process import ProcessState
+from retarget.runtime.state.codec import fsync_file
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+
+#: File names by format: (shard prefix, extension, index name).
+_LAYOUT = {
+    True: ("model", "safetensors", "model.safetensors.index.json"),
+    False: ("pytorch_model", "bin", "pytorch_model.bin.index.json"),
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or "10GB" / "500MB" (powers of 10) / "2GiB" (powers of 2)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        number, unit = size, "B"
+    else:
+        match = _SIZE.fullmatch(str(size))
+        unit = (match.group(2) or "B") if match else ""
+        if not match or unit.upper() not in _UNITS or unit[-1] == "b":
+            raise ValueError(
+                f"max_shard_size={size!r} is not a size: use an int (bytes) or a string such "
+                "as '500MB', '10GB' (powers of 10) or '2GiB' (powers of 2); a lowercase 'b' "
+                "(bits) is not accepted"
+            )
+        number = float(match.group(1))
+    value = int(number * _UNITS[unit.upper()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be more than 0 bytes")
+    return value
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside the wrappers training added (DDP, torch.compile, compile_for).
+
+    A `CompiledModule` gives back the model passed to compile_for, carrying the current
+    weights. FSDP2 adds no wrapper (the module itself is sharded): it comes back as it is.
+    """
+    from retarget.driver.compiled import CompiledModule
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, CompiledModule):
+            model = model.unwrap()
+        else:
+            return model
+
+
+def _peel(model: nn.Module) -> nn.Module:
+    # Wrappers that add a key prefix; the compiled module keeps the original keys.
+    while isinstance(model, (DistributedDataParallel, torch._dynamo.eval_frame.OptimizedModule)):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on the CPU, with the model's own keys (no wrapper prefixes).
+
+    Under FSDP the shards are gathered: every rank must call it, and only rank 0 receives
+    the tensors (the others get an empty dict, so that N full copies never exist at once).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """Keys whose tensor is another key's tensor, mapped to the first such key."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for key, tensor in _peel(model).state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            tied[key] = first[id(tensor)]
+        else:
+            first[id(tensor)] = key
+    return tied
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Keys grouped in order into shards of at most `limit` bytes (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def save_model(
+    model: nn.Module,
+    save_directory: str | Path,
+    *,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+) -> Path:
+    """Write the full weights as shards plus an index (and config.json for HF models).
+
+    Call it on every rank (FSDP gathers); rank 0 writes. Shards left in the folder by an
+    earlier save_model with another shard count are removed. `safe_serialization=False`
+    writes `pytorch_model-*.bin` (torch.save) instead of safetensors.
+    """
+    limit = parse_size(max_shard_size)
+    directory = Path(save_directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"save_model: {directory} is a file; give a folder")
+    state = ProcessState.current()
+    full = get_state_dict(model)
+    tied = tied_weights(model)
+    if state.is_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v for k, v in full.items() if k not in tied}
+        _write_shards(directory, tensors, limit, safe_serialization, tied)
+        config = getattr(unwrap_model(model), "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+    state.wait_for_everyone()
+    return directory
+
+
+def _write_shards(
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    limit: int,
+    safe: bool,
+    tied: dict[str, str],
+) -> None:
+    prefix, ext, index_name = _LAYOUT[safe]
+    plan = _plan_shards(tensors, limit)
+    names = [f"{prefix}-{i + 1:05d}-of-{len(plan):05d}.{ext}" for i in range(len(plan))]
+    for stale in directory.glob(f"{prefix}*.{ext}"):
+        if stale.name not in names:
+            stale.unlink()
+    weight_map: dict[str, str] = {}
+    for name, keys in zip(names, plan, strict=True):
+        # Copies: safetensors refuses views that share memory, and this bounds the memory
+        # held at once to one shard.
+        shard = {k: tensors[k].detach().contiguous().clone() for k in keys}
+        path = directory / name
+        if safe:
+            save_file(shard, path, metadata={"format": "pt"})
+        else:
+            torch.save(shard, path)
+        fsync_file(path)
+        weight_map |= dict.fromkeys(keys, name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total, "tied_weights": tied}, "weight_map": weight_map}
+    (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+
+
+def read_model_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The full state dict save_model wrote, tied keys filled in (no pickle is loaded)."""
+    directory = Path(directory)
+    for safe in (True, False):
+        index_path = directory / _LAYOUT[safe][2]
+        if index_path.is_file():
+            break
+    else:
+        raise FileNotFoundError(
+            f"{directory} has no {_LAYOUT[True][2]} or {_LAYOUT[False][2]}: not a folder "
+            "written by save_model"
+        )
+    index: dict[str, Any] = json.loads(index_path.read_text())
+    state: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(index["weight_map"].values()):
+        path = directory / name
+        state |= load_file(path) if safe else torch.load(path, weights_only=True)
+    for alias, kept in index.get("metadata", {}).get("tied_weights", {}).items():
+        state[alias] = state[kept]
+    return state
+
+
+def load_model(model: nn.Module, directory: str | Path, *, strict: bool = True) -> nn.Module:
+    """Load weights written by save_model into an unsharded `model`; returns it."""
+    model.load_state_dict(read_model_weights(directory), strict=strict)
+    return model
