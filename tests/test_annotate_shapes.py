@@ -11,18 +11,18 @@ from tests.zoo import ZOO
 def test_linear_flops_and_shapes_are_exact():
     entry = ZOO["mnist_cnn"]
     compiled = retarget.compile_for(entry.factory(), example_inputs=entry.inputs(4))
-    fc1 = compiled.program.analysis["modules"]["fc1"]
+    fc1 = compiled.program.analysis.modules["fc1"]
     assert fc1["flops"] == 2 * 4 * 9216 * 128
     assert fc1["inputs"] == ["float32[4, 9216]"] and fc1["outputs"] == ["float32[4, 128]"]
     assert fc1["weight"] == "float32[128, 9216]"
-    conv2 = compiled.program.analysis["modules"]["conv2"]
+    conv2 = compiled.program.analysis.modules["conv2"]
     assert conv2["flops"] == 2 * 4 * 24 * 24 * 64 * 32 * 9
 
 
 def test_region_entries_sum_their_repeats():
     entry = ZOO["tiny_llama"]
     compiled = retarget.compile_for(entry.factory(), example_inputs=entry.inputs(2))
-    region = compiled.program.analysis["regions"]["model.layers.*"]
+    region = compiled.program.analysis.regions["model.layers.*"]
     assert region["repeats"] == 2
     assert region["flops"] == 2 * region["flops_per_repeat"] > 0
     assert region["inputs"][0] == "float32[2, 16, 64]"
@@ -38,7 +38,7 @@ def test_without_example_inputs_only_parameters_are_known():
     compiled = retarget.compile_for(ZOO["mnist_cnn"].factory())
     record = compiled.history[-1]
     assert record.notes == ("no example_inputs: shapes and FLOPs unknown",)
-    assert compiled.program.analysis["modules"]["fc2"]["flops"] == 0
+    assert compiled.program.analysis.modules["fc2"]["flops"] == 0
     assert record.stats["params"] == sum(p.numel() for p in compiled.parameters())
 
 
@@ -67,9 +67,9 @@ def test_replayed_repeats_report_what_a_full_forward_counts():
         assert record.stats["repeats_replayed"] == region.repeats - 1, name
         full = _counted(model, entry.inputs(2))
         assert record.stats["forward_flops"] == full[""], name
-        modules = compiled.program.analysis["modules"]
+        modules = compiled.program.analysis.modules
         assert {p: m["flops"] for p, m in modules.items()} == {p: full.get(p, 0) for p in modules}
         later = region.paths[-1]
-        assert compiled.program.analysis["regions"][region.name]["flops"] == sum(
+        assert compiled.program.analysis.regions[region.name]["flops"] == sum(
             full[p] for p in region.paths
         ), (name, later)

@@ -187,7 +187,7 @@ def test_summary_keys_and_classes():
     assert type(layers[1]).__name__ == "CheckpointedRegionLlamaDecoderLayer"
     assert isinstance(layers[1], type(original.model.layers[1]))
     assert list(compiled.state_dict()) == list(original.state_dict())
-    assert compiled.program.analysis["checkpoint"]["plan"] == {
+    assert compiled.program.analysis.checkpoint["plan"] == {
         "model.layers.0": NONE,
         "model.layers.1": FULL,
     }

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import retarget
+from retarget.core.plans import CommHookPlan, Plan
 from retarget.runtime.comm_hooks import build_hook, hook_stats
 from tests import zoo
 from tests.distributed import run_ranks
@@ -16,20 +17,18 @@ LR = 0.1
 POWERSGD = ("ddp+powersgd[rank=2,start_iter=2]", "ddp+powersgd[rank=2,start_iter=2,wrapper=bf16]")
 
 
-def _plan(target: str) -> dict:
+def _plan(target: str) -> Plan:
     compiled = retarget.compile_for(zoo.mnist_cnn(), target, example_inputs=zoo.mnist_cnn_inputs())
     return compiled.program.plan
 
 
 def test_cast_hooks_and_powersgd_are_planned_after_ddp():
-    assert _plan("ddp+bf16-comm")["comm_hook"] == {
-        "part": "bf16-comm",
-        "kind": "cast",
-        "dtype": "bfloat16",
-    }
-    assert _plan("zero1+fp16-comm")["comm_hook"]["dtype"] == "float16"
+    assert _plan("ddp+bf16-comm").comm_hook == CommHookPlan(
+        part="bf16-comm", kind="cast", dtype="bfloat16"
+    )
+    assert _plan("zero1+fp16-comm").comm_hook.dtype == "float16"
     plan = _plan("ddp+powersgd[rank=4,start_iter=3,wrapper=fp16]")
-    assert plan["comm_hook"]["options"] == {
+    assert plan.comm_hook.powersgd == {
         "rank": 4,
         "start_iter": 3,
         "min_compression_rate": 2.0,
@@ -45,7 +44,7 @@ def test_cast_hooks_and_powersgd_are_planned_after_ddp():
 
 
 def test_no_hook_part_no_hook_plan():
-    assert "comm_hook" not in _plan("ddp")
+    assert _plan("ddp").comm_hook is None
 
 
 def test_powersgd_state_needs_two_plain_steps_first():
@@ -54,7 +53,7 @@ def test_powersgd_state_needs_two_plain_steps_first():
     ):
         _plan("ddp+powersgd[start_iter=1]")
     plan = _plan("ddp+powersgd[start_iter=0,error_feedback=false,warm_start=false]")
-    state, _ = build_hook(plan["comm_hook"])
+    state, _ = build_hook(plan.comm_hook)
     assert state.start_powerSGD_iter == 0 and not state.use_error_feedback
 
 

@@ -146,7 +146,7 @@ def test_torchao_swaps_with_our_eligibility_and_keeps_parameters(torchao_llama):
     from torchao.float8.float8_linear import Float8Linear as TorchaoFloat8Linear
 
     model, compiled = torchao_llama
-    analysis = compiled.program.analysis["fp8"]
+    analysis = compiled.program.analysis.fp8
     assert analysis["backend"] == "torchao"
     kept = {p for p, d in analysis["linears"].items() if not d["swapped"]}
     assert kept == {"model.layers.0.self_attn.q_proj", "lm_head"}
@@ -240,7 +240,7 @@ def test_gpu_fp8_tracks_bf16(backend):
     reference = _gpu_losses(_gpu_llama(1024, 4), steps=10)
     spec = f"bf16+fp8[backend={backend},scaling=current,min_size=65536]"
     compiled = retarget.compile_for(_gpu_llama(1024, 4), spec, example_inputs=example)
-    assert compiled.program.analysis["fp8"]["backend"] == backend
+    assert compiled.program.analysis.fp8["backend"] == backend
     losses = _gpu_losses(compiled, steps=10)
     assert ((losses - reference).abs() / reference).max() < 0.05
 
@@ -259,7 +259,7 @@ def test_gpu_fp8_tokens_per_second_against_bf16(record_property):
         if spec:
             example = {"input_ids": torch.randint(0, 32000, (4, 1024), device="cuda")}
             model = retarget.compile_for(model, spec, example_inputs=example)
-            assert model.program.analysis["fp8"]["backend"] == backend
+            assert model.program.analysis.fp8["backend"] == backend
         _gpu_losses(model, steps=2, seq=1024)
         torch.cuda.synchronize()
         start = time.perf_counter()

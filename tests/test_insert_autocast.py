@@ -294,7 +294,7 @@ def test_fp16_plans_a_loss_scaler_from_the_target_options_and_bf16_none():
     target = "fp16[init_scale=1024,growth_interval=10,backoff_factor=0.25]"
     compiled = retarget.compile_for(entry.factory(), target, example_inputs=entry.inputs(2))
     plan = compiled.program.plan
-    assert plan["loss_scaler"] == {
+    assert plan.loss_scaler.options() == {
         "init_scale": 1024.0,
         "growth_factor": 2.0,
         "backoff_factor": 0.25,
@@ -303,7 +303,7 @@ def test_fp16_plans_a_loss_scaler_from_the_target_options_and_bf16_none():
     scaler = make_loss_scaler(plan, "cpu")
     assert isinstance(scaler, LossScaler) and scaler.scale_value == 1024.0
     _, bf16 = compiled_zoo("control_flow_model")
-    assert "loss_scaler" not in bf16.program.plan
+    assert bf16.program.plan.loss_scaler is None
     assert make_loss_scaler(bf16.program.plan, "cpu") is None
 
 
@@ -380,7 +380,7 @@ def test_a_model_without_matmuls_is_left_untouched():
         record = autocast_record(compiled)
         assert record.changed is False
         assert "nothing runs in" in record.notes[0]
-        assert "loss_scaler" not in compiled.program.plan
+        assert compiled.program.plan.loss_scaler is None
         assert "to.dtype" not in compiled.graphs()["<model>"]
         assert torch.equal(compiled(x), model(x))
 

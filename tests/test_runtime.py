@@ -99,7 +99,7 @@ def test_zero1_in_a_world_of_one_prepares_a_plain_optimizer():
     model = retarget.compile_for(_mlp(), "zero1", example_inputs=torch.randn(2, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert model.runtime.prepare(optimizer) is optimizer  # nothing to shard over one process
-    assert not model.program.plan["applied"]["applied"]
+    assert not model.program.plan.applied.applied
 
 
 # -- two ranks: accumulation against one process; the training loop, as written -----

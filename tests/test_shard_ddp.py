@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import retarget
+from retarget.core.plans import AppliedPlan
 from retarget.passes.shard.shard_ddp import DdpOptions, plan_buckets, trainable_parameters
 from retarget.passes.shard.zero1 import partition
 from retarget.runtime.optimizers import OptimizerNotPrepared
@@ -28,10 +29,9 @@ LR = 0.1
 def test_world_of_one_records_the_plan_and_says_it_was_not_applied():
     compiled = retarget.compile_for(zoo.tiny_llama(), "ddp", example_inputs=zoo.lm_inputs())
     plan = compiled.program.plan
-    assert plan["ddp"]["world_size"] == 1 and plan["applied"] == {
-        "applied": False,
-        "reason": "world size is 1",
-    }
+    assert plan.ddp.world.size == 1 and plan.applied == AppliedPlan(
+        applied=False, reason="world size is 1"
+    )
     text = str(compiled.report)
     assert "plan not applied: world size is 1" in text
     assert "distribution plan" in text and "DDP buckets" in text
@@ -43,14 +43,14 @@ def test_buckets_follow_ddps_rule_and_show_in_the_report():
     compiled = retarget.compile_for(
         model, "ddp[bucket_cap_mb=2]", example_inputs=zoo.mnist_cnn_inputs(), world_size=4
     )
-    entry = compiled.program.plan["ddp"]
-    assert entry["world_size"] == 4 and entry["options"]["bucket_cap_mb"] == 2
+    entry = compiled.program.plan.ddp
+    assert entry.world.size == 4 and entry.options["bucket_cap_mb"] == 2
     # Reverse definition order; fc1.weight (4.5 MiB) fills the first bucket past 1 MiB.
-    assert [b["parameters"] for b in entry["buckets"]] == [
-        ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"],
-        ["conv2.bias", "conv2.weight", "conv1.bias", "conv1.weight"],
+    assert [b.parameters for b in entry.buckets] == [
+        ("fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"),
+        ("conv2.bias", "conv2.weight", "conv1.bias", "conv1.weight"),
     ]
-    assert sum(b["numel"] for b in entry["buckets"]) == sum(p.numel() for p in model.parameters())
+    assert sum(b.numel for b in entry.buckets) == sum(p.numel() for p in model.parameters())
     assert "2 buckets" in str(compiled.report)
 
 
@@ -58,8 +58,8 @@ def test_find_unused_parameters_keeps_the_initial_buckets():
     params = trainable_parameters(mnist_without_dropout())
     unused = plan_buckets(params, DdpOptions(bucket_cap_mb=2, find_unused_parameters=True))
     # Definition order, 1 MiB first bucket (conv1.weight .. fc1.weight), launched last first.
-    assert [len(b["parameters"]) for b in unused] == [3, 5]
-    assert [b["parameters"][0] for b in unused] == ["fc1.bias", "conv1.weight"]
+    assert [len(b.parameters) for b in unused] == [3, 5]
+    assert [b.parameters[0] for b in unused] == ["fc1.bias", "conv1.weight"]
 
 
 def test_zero1_partition_is_greedy_by_size():
@@ -72,7 +72,7 @@ def test_a_target_without_ddp_has_no_ddp_plan():
     compiled = retarget.compile_for(
         zoo.mnist_cnn(), "single", example_inputs=zoo.mnist_cnn_inputs()
     )
-    assert "ddp" not in compiled.program.plan and "applied" not in compiled.program.plan
+    assert compiled.program.plan.ddp is None and compiled.program.plan.applied is None
 
 
 # -- two ranks ------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def _ddp_ranks(rank, world):
     )
     train(reference, batches, torch.optim.SGD(reference.parameters(), LR))
     out["llama"] = max_difference(model, reference)
-    out["applied"] = model.program.plan["applied"]
+    out["applied"] = model.program.plan.applied
     out["isinstance"] = isinstance(model, type(reference)) and isinstance(
         model, retarget.CompiledModule
     )
@@ -118,7 +118,7 @@ def _ddp_ranks(rank, world):
     ddp = model.program.module.__dict__["_retarget_applied"].ddp
     built = ddp.reducer._get_zeros_like_grad_buckets()
     out["buckets_built"] = [len(b.parameters()) for b in built]
-    out["buckets_planned"] = [len(b["parameters"]) for b in model.program.plan["ddp"]["buckets"]]
+    out["buckets_planned"] = [len(b.parameters) for b in model.program.plan.ddp.buckets]
 
     # zero1 + SGD with momentum (state to shard) built before compile_for: prepared into a
     # ZeroRedundancyOptimizer. (Adam would amplify float rounding of near-zero gradients.)
@@ -134,7 +134,7 @@ def _ddp_ranks(rank, world):
     out["zero1_type"] = type(prepared).__name__
     held = sum(p.numel() for p in prepared.optim.state if prepared.optim.state[p])
     out["zero1_state"] = held
-    out["zero1_planned"] = model.program.plan["zero1"]["per_rank"]
+    out["zero1_planned"] = model.program.plan.zero1.per_rank
 
     # zero1 with a plain optimizer: refused at its first step, the message says what to do.
     plain = torch.optim.SGD(model.parameters(), lr=LR)
@@ -164,7 +164,7 @@ def test_ddp_and_zero1_on_two_ranks_match_one_process():
         # Measured: 7.5e-9 (tiny Llama), 1.2e-7 (MNIST), zero1 (SGD momentum) below.
         assert out["llama"] < 1e-6 and out["mnist"] < 1e-6
         assert out["zero1"] < 1e-6 and out["zero1 mnist"] < 1e-6
-        assert out["applied"]["applied"] and out["applied"]["wrapped"] == "DistributedDataParallel"
+        assert out["applied"].applied and out["applied"].wrapped == "DistributedDataParallel"
         assert out["isinstance"] and out["keys"]
         assert out["eval"][0] and out["eval"][1] < 1e-5
         assert out["buckets_built"] == out["buckets_planned"] == [4, 4]

@@ -31,16 +31,15 @@ LR = 0.1
 def test_units_are_the_repeated_blocks_then_the_root_with_per_rank_counts():
     model = zoo.tiny_llama()
     compiled = retarget.compile_for(model, "fsdp", example_inputs=zoo.lm_inputs(), world_size=3)
-    entry = compiled.program.plan["fsdp"]
-    assert entry["mesh"] == {"shape": [3], "dims": ["shard"]} and entry["reshard_after_forward"]
-    assert [u["path"] for u in entry["units"]] == ["model.layers.0", "model.layers.1", ""]
-    assert sum(u["parameters"] for u in entry["units"]) == sum(
-        p.numel() for p in model.parameters()
-    )
-    for unit in entry["units"]:
-        assert sum(unit["per_rank"]) == unit["parameters"] and len(unit["per_rank"]) == 3
+    entry = compiled.program.plan.fsdp
+    assert (entry.mesh_shape, entry.mesh_dims) == ((3,), ("shard",))
+    assert entry.reshard_after_forward
+    assert [u.path for u in entry.units] == ["model.layers.0", "model.layers.1", ""]
+    assert sum(u.parameters for u in entry.units) == sum(p.numel() for p in model.parameters())
+    for unit in entry.units:
+        assert sum(unit.per_rank) == unit.parameters and len(unit.per_rank) == 3
     # 64-row weights split 22/22/20 rows: rank 2 holds less.
-    layer = entry["units"][0]["per_rank"]
+    layer = entry.units[0].per_rank
     assert layer[0] == layer[1] > layer[2]
     text = str(compiled.report)
     assert "FSDP2 units on mesh (3 shard)" in text and "model.layers.0  LlamaDecoderLayer" in text
@@ -72,19 +71,20 @@ def test_variants_set_mesh_reshard_and_mixed_precision():
         compiled = retarget.compile_for(
             zoo.mnist_cnn(), target, example_inputs=example, world_size=world
         )
-        return compiled.program.plan["fsdp"]
+        return compiled.program.plan.fsdp
 
-    assert plan("zero2")["reshard_after_forward"] is False
-    assert plan("zero3")["reshard_after_forward"] is True
-    assert plan("hsdp[replicate=2,shard=2]")["mesh"] == {
-        "shape": [2, 2],
-        "dims": ["replicate", "shard"],
-    }
-    mixed = plan("fsdp+bf16")["mixed_precision"]
-    assert mixed == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-    assert plan("fsdp+offload")["offload"] == {"pin_memory": torch.cuda.is_available()}
+    assert plan("zero2").reshard_after_forward is False
+    assert plan("zero3").reshard_after_forward is True
+    hsdp = plan("hsdp[replicate=2,shard=2]")
+    assert (hsdp.mesh_shape, hsdp.mesh_dims) == ((2, 2), ("replicate", "shard"))
+    mixed = plan("fsdp+bf16")
+    assert (mixed.param_dtype, mixed.reduce_dtype) == ("bfloat16", "float32")
+    assert plan("fsdp").param_dtype is None and plan("fsdp").reduce_dtype is None
+    offload = plan("fsdp+offload")
+    assert offload.offload and offload.pin_memory == torch.cuda.is_available()
+    assert not plan("fsdp").offload
     # MNIST has no repeated block: the root is the one unit.
-    assert [u["path"] for u in plan("fsdp")["units"]] == [""]
+    assert [u.path for u in plan("fsdp").units] == [""]
 
 
 def test_bad_fsdp_settings_are_refused_with_the_fix():
@@ -105,7 +105,7 @@ def test_whole_model_capture_leaves_the_root_as_the_only_unit():
     compiled = retarget.compile_for(
         zoo.tiny_llama(), "fsdp", example_inputs=zoo.lm_inputs(), capture="whole", world_size=2
     )
-    assert [u["path"] for u in compiled.program.plan["fsdp"]["units"]] == [""]
+    assert [u.path for u in compiled.program.plan.fsdp.units] == [""]
     notes = next(r.notes for r in compiled.history if r.name == "shard_fsdp")
     assert any("blocks are not called as modules" in n for n in notes)
 
@@ -114,7 +114,7 @@ def test_min_params_keeps_small_blocks_in_the_root_unit():
     compiled = retarget.compile_for(
         zoo.tiny_llama(), "fsdp[min_params=100000]", example_inputs=zoo.lm_inputs(), world_size=2
     )
-    assert [u["path"] for u in compiled.program.plan["fsdp"]["units"]] == [""]
+    assert [u.path for u in compiled.program.plan.fsdp.units] == [""]
     notes = next(r.notes for r in compiled.history if r.name == "shard_fsdp")
     assert any("model.layers.0: stays in the root unit" in n for n in notes)
 
@@ -132,17 +132,17 @@ def _train_sharded(target, factory, batches, rank, world, **compile_kwargs):
 
 
 def _local_per_unit(model):
-    units = model.program.plan["fsdp"]["units"]
+    units = model.program.plan.fsdp.units
     counts = []
     for unit in units:
-        module = model.get_submodule(unit["path"]) if unit["path"] else model
-        params = module.parameters() if unit["path"] else _root_only(model, units)
+        module = model.get_submodule(unit.path) if unit.path else model
+        params = module.parameters() if unit.path else _root_only(model, units)
         counts.append(sum(p._local_tensor.numel() for p in params))
     return counts
 
 
 def _root_only(model, units):
-    inner = {id(p) for u in units if u["path"] for p in model.get_submodule(u["path"]).parameters()}
+    inner = {id(p) for u in units if u.path for p in model.get_submodule(u.path).parameters()}
     return [p for p in model.parameters() if id(p) not in inner]
 
 
@@ -170,7 +170,7 @@ def _fsdp_ranks(rank, world):
     out["isinstance"] = isinstance(model, (type(reference), retarget.CompiledModule))
     out["per_rank"] = (
         _local_per_unit(model),
-        [u["per_rank"][rank] for u in model.program.plan["fsdp"]["units"]],
+        [u.per_rank[rank] for u in model.program.plan.fsdp.units],
     )
     unwrapped = model.unwrap()  # gathers the shards into the original model (a collective)
     out["unwrapped"] = unwrapped is original and max_difference(model, unwrapped) == 0.0
@@ -184,7 +184,7 @@ def _fsdp_ranks(rank, world):
     batches = lm_batches(3, 4, seed=7)
     for target in ("zero2", "hsdp", "hsdp[replicate=2,shard=1]", "zero3+ac"):
         model, out[target] = _train_sharded(target, zoo.tiny_llama, batches, rank, world)
-        out[target + " mesh"] = model.program.plan["applied"]["wrapped"]
+        out[target + " mesh"] = model.program.plan.applied.wrapped
     batches = mnist_batches(3, 4)
     for target in ("fsdp", "zero2+offload", "hsdp"):
         _, out["mnist " + target] = _train_sharded(

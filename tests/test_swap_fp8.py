@@ -47,7 +47,7 @@ def _record(compiled):
 
 def test_report_lists_every_linear_with_the_rule_that_kept_it(llama):
     model, compiled = llama
-    linears = compiled.program.analysis["fp8"]["linears"]
+    linears = compiled.program.analysis.fp8["linears"]
     paths = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert list(linears) == paths and len(paths) == 15
     # Llama does not tie lm_head by default: it is kept as the last Linear, not as tied.
@@ -174,7 +174,7 @@ def test_tied_lm_head_is_kept_and_no_eligible_linear_is_a_noop():
     record = _record(compiled)
     assert not record.changed
     assert record.notes[0] == "no eligible Linear: nothing swapped"
-    linears = compiled.program.analysis["fp8"]["linears"]
+    linears = compiled.program.analysis.fp8["linears"]
     assert linears == {
         "lm_head": {
             "swapped": False,
@@ -312,7 +312,7 @@ def test_auto_picks_native_for_delayed_scaling_on_cpu():
     compiled = retarget.compile_for(
         entry.factory(), "fp8[min_size=16]", example_inputs=entry.inputs(2)
     )
-    analysis = compiled.program.analysis["fp8"]
+    analysis = compiled.program.analysis.fp8
     assert analysis["backend"] == "native" and analysis["why"].startswith("auto:")
 
 

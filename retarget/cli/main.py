@@ -307,7 +307,7 @@ def estimate_memory_arguments(parser: argparse.ArgumentParser) -> Handler:
 
 def run_estimate_memory(args: argparse.Namespace) -> int:
     """Compile the target's local parts here, profile one forward, print the per-rank table."""
-    from retarget.report.memory_estimate import estimate_for_target
+    from retarget.driver.estimate import estimate_for_target
 
     target = _parse_target(args.target)
     model = load_callable(args.factory, "factory")()

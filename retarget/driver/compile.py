@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import IO, Any
 
 from torch import nn
 
 from retarget.core.modules import structural_copy, with_mixin
-from retarget.core.world import WORLD_SIZE
+from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.manager import PassManager
@@ -75,9 +74,8 @@ def compile_for(
         target=target,
         example=ExampleInputs.of(example_inputs),
         capture=capture,
+        world=World.resolve(world_size),
     )
-    if world_size is not None:
-        program.analysis[WORLD_SIZE] = world_size
     root.__dict__["_retarget_program"] = program
     manager.run(program)
     # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
@@ -93,11 +91,10 @@ def _resolve_target(target: str | Target | None, world_size: int | None) -> Targ
     torchrun without a distributed config).
     """
     if target is None:
-        from retarget.core.world import launched_target
-
         target = launched_target() or "single"
     target = parse_target(target)
-    processes = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    env = launch_environment()
+    processes = env.world_size if env.rank is not None else 1
     strategies = [name for name in target.names if name in STRATEGIES and name != "single"]
     if world_size is None and processes > 1 and not strategies:
         raise TargetError(

@@ -5,8 +5,10 @@ original   the user's model, never edited; shares every parameter tensor with `m
 tree       networkx DiGraph of the module hierarchy (find_blocks)
 blocks     repeated block groups found by structural hashing (find_blocks)
 regions    capture units with their graphs (capture_regions)
-analysis   per-module and per-region facts (annotate_shapes, later passes)
-plan       decisions that need a process group; passes write it, the runtime applies it
+world      the processes the plan is made for, resolved once by compile_for (core.world)
+analysis   typed facts the analyses found (`Analysis`: shapes, FLOPs, fp8 decisions, ...)
+plan       typed records of decisions that need a process group (`core.plans.Plan`); passes
+           write them, the runtime applies them
 history    per pass: name, seconds, changed, stats, notes, graph text after it
 """
 
@@ -19,6 +21,8 @@ import networkx as nx
 import torch
 from torch import nn
 
+from retarget.core.plans import Plan
+from retarget.core.world import World
 from retarget.ir.region import Region
 from retarget.target.grammar import Target
 
@@ -44,6 +48,24 @@ class ExampleInputs:
         if isinstance(example, dict):
             return cls((), dict(example))
         return cls((example,), {})
+
+
+@dataclass
+class Analysis:
+    """Facts the analysis passes found; a field is None until the pass that finds it ran."""
+
+    modules: dict[str, dict[str, Any]] | None = None
+    """annotate_shapes: per Linear/Conv path, its input/output shapes and FLOPs."""
+    regions: dict[str, dict[str, Any]] | None = None
+    """annotate_shapes: per region, its FLOPs and call signature."""
+    flops: int | None = None
+    """annotate_shapes: FLOPs of one forward of the whole model on the example inputs."""
+    fp8: dict[str, Any] | None = None
+    """swap_fp8: the backend, why it was chosen, the recipe, and every Linear's decision."""
+    activation_profile: Any = None
+    """checkpoint_blocks: the ActivationProfile of one forward (what each repeat keeps)."""
+    checkpoint: dict[str, Any] | None = None
+    """checkpoint_blocks: the policy and the per-repeat plan it chose."""
 
 
 @dataclass
@@ -79,8 +101,9 @@ class Program:
     tree: nx.DiGraph = field(default_factory=nx.DiGraph)
     blocks: list[BlockGroup] = field(default_factory=list)
     regions: list[Region] = field(default_factory=list)
-    analysis: dict[str, Any] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
+    world: World = field(default_factory=World.resolve)
+    analysis: Analysis = field(default_factory=Analysis)
+    plan: Plan = field(default_factory=Plan)
     history: list[PassRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 

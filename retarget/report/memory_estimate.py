@@ -1,7 +1,7 @@
 """Predict a training step's memory per rank: parameters, gradients, optimizer state, activations.
 
     >>> print(estimate_memory(compiled, world_size=8))          # a compiled model
-    >>> estimate_for_target(model, "fsdp+bf16+ac", batch, world_size=8)   # CLI: estimate-memory
+    >>> estimate_for_target(model, "fsdp+bf16+ac", batch, world_size=8)   # retarget.driver.estimate
 
 Parameters, gradients and optimizer state are counted, not modelled: the rewritten model's
 parameters (tied ones once), gradients of the same dtype for those that require grad, and the
@@ -19,14 +19,13 @@ rank's batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from retarget.core.world import World
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
 from retarget.target.grammar import Target, parse_target
@@ -39,8 +38,6 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "sgd": (1, False),
     "none": (0, False),
 }
-#: Target parts that change what one process computes; the others distribute it.
-LOCAL_PARTS = ("bf16", "fp16", "fp8", "ac")
 _STEP_BYTES = 4  # torch keeps Adam's step as a float32 scalar tensor per parameter
 
 
@@ -135,28 +132,27 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimate per-rank memory of a compiled model (or its Program).
 
-    `target` defaults to the one it was compiled for; `world_size` to the current one (the
-    process group's, else WORLD_SIZE, else 1). Activations come from the profile that
-    checkpoint_blocks made; without one and with `run=True` a profiled forward runs now (on
-    example inputs; in a distributed run call it on every rank, the forward may communicate).
+    `target` defaults to the one it was compiled for; `world_size` to the world its plan was
+    made for (`program.world`: stated, else the launcher's, else 1). Activations come from the
+    profile that checkpoint_blocks made; without one and with `run=True` a profiled forward runs
+    now (on example inputs; in a distributed run call it on every rank: the forward may
+    communicate).
     """
     program = getattr(source, "program", source)
     target = parse_target(target if target is not None else program.target)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, not {optimizer!r}")
-    if world_size is None:  # the world the plan was made for (compile_for(world_size=)), else ours
-        world_size = program.analysis.get("world_size") or current_world_size()
-    world = world_size
-    if world < 1:
-        raise ValueError(f"world_size must be at least 1, not {world}")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size must be at least 1, not {world_size}")
+    world = program.world if world_size in (None, program.world.size) else World.resolve(world_size)
     shards, notes = _shards(target, world)
     sharded = STRATEGY[target.strategy].shards
     params = _unique_parameters(program.module)
     trained = [p for p in params if p.requires_grad]
-    profile = program.analysis.get("activation_profile")
+    profile = program.analysis.activation_profile
     if profile is None and run and program.example is not None:
         profile = _profile_now(program)
-    plan = program.analysis.get("checkpoint", {}).get("plan", {})
+    plan = (program.analysis.checkpoint or {}).get("plan", {})
     if profile is None and program.example is None:
         notes.append("activations unknown: no example inputs to profile a forward with")
     elif profile is None:
@@ -171,7 +167,7 @@ def estimate_memory(
         )
     return MemoryEstimate(
         target=str(target),
-        world_size=world,
+        world_size=world.size,
         shards=shards,
         optimizer=optimizer,
         parameters=sum(_bytes(p, shards if sharded[0] else 1) for p in params),
@@ -184,49 +180,13 @@ def estimate_memory(
     )
 
 
-def estimate_for_target(
-    model: nn.Module,
-    target: str | Target,
-    example_inputs: Any,
-    *,
-    world_size: int | None = None,
-    optimizer: str = "adam",
-) -> MemoryEstimate:
-    """Estimate `model` under `target` without launching ranks (what `estimate-memory` runs).
-
-    The model is compiled for the target's local parts (precision, ac) in this process, and the
-    distribution parts are applied arithmetically for `world_size` ranks.
-    """
-    from retarget.driver.compile import compile_for
-
-    target = parse_target(target)
-    compiled = compile_for(model, local_target(target), example_inputs=example_inputs)
-    return estimate_memory(
-        compiled, target=target, world_size=world_size, optimizer=optimizer, run=True
-    )
-
-
-def local_target(target: Target) -> Target:
-    """The parts of `target` that change what one process computes (`single` when none)."""
-    parts = tuple(part for part in target.parts if part.name in LOCAL_PARTS)
-    return Target(parts) if parts else parse_target("single")
-
-
-def current_world_size() -> int:
-    """The process group's size, else torchrun's WORLD_SIZE, else 1; initialises nothing."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _shards(target: Target, world: int) -> tuple[int, list[str]]:
-    notes: list[str] = []
+def _shards(target: Target, world: World) -> tuple[int, list[str]]:
+    """Processes one parameter is sharded over; hsdp: the plan's own mesh (World.hsdp_mesh)."""
     if target.strategy == "hsdp":
-        shard = target.get("hsdp").get("shard")
-        if not shard:
-            notes.append("hsdp[shard=0]: assumed one shard group spanning all ranks")
-        return (shard or world), notes
-    return (world if any(STRATEGY[target.strategy].shards) else 1), notes
+        part = target.get("hsdp")
+        replicate, shard = world.hsdp_mesh(part.get("replicate"), part.get("shard"))
+        return shard, [f"hsdp: {replicate} replica group(s) of {shard} processes"]
+    return (world.size if any(STRATEGY[target.strategy].shards) else 1), []
 
 
 def _unique_parameters(module: nn.Module) -> list[torch.Tensor]:

@@ -1,63 +1,59 @@
 """The distribution plan as report lines: DDP buckets, FSDP units per rank, hooks, applied or not.
 
 `retarget.report.summary` appends these lines to the text report; the JSON report carries the plan
-itself (`to_dict()["plan"]`).
+itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan
 
 _SHOWN_RANKS = 8
 _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
 
-def plan_lines(plan: dict[str, Any]) -> list[str]:
+def plan_lines(plan: Plan) -> list[str]:
     """Lines for the text report; [] when the plan has nothing about distribution."""
-    if "ddp" not in plan and "fsdp" not in plan:
+    record = plan.distribution
+    if record is None:
         return []
-    kind = "ddp" if "ddp" in plan else "fsdp"
-    entry = plan[kind]
-    lines = ["", f"distribution plan: {entry['strategy']} over {entry['world']}; {_applied(plan)}"]
-    if kind == "ddp":
-        lines += _ddp_lines(entry)
-    else:
-        lines += _fsdp_lines(entry)
-    if "zero1" in plan:
-        shares = plan["zero1"]["per_rank"]
+    lines = [
+        "",
+        f"distribution plan: {record.strategy} over {record.world.describe()}; "
+        f"{_applied(plan.applied)}",
+    ]
+    lines += _ddp_lines(record) if isinstance(record, DdpPlan) else _fsdp_lines(record)
+    if plan.zero1 is not None:
         lines.append(
             "  zero1: optimizer state per rank (elements) "
-            + " | ".join(f"{n:,}" for n in shares[:_SHOWN_RANKS])
+            + " | ".join(f"{n:,}" for n in plan.zero1.per_rank[:_SHOWN_RANKS])
             + " (runtime.prepare(optimizer) makes it a ZeroRedundancyOptimizer)"
         )
-    if "comm_hook" in plan:
-        from retarget.passes.comm.install_comm_hook import describe
-
-        lines.append(f"  comm hook: {describe(plan['comm_hook'])}")
+    if plan.comm_hook is not None:
+        lines.append(f"  comm hook: {plan.comm_hook.describe()}")
     return lines
 
 
-def _applied(plan: dict[str, Any]) -> str:
-    applied = plan.get("applied")
+def _applied(applied: AppliedPlan | None) -> str:
     if applied is None:
         return "not applied yet"
-    if not applied["applied"]:
-        return f"not applied: {applied['reason']}"
-    return f"applied: {applied['wrapped']} on {applied['backend']}, {applied['device']}"
+    if not applied.applied:
+        return f"not applied: {applied.reason}"
+    return f"applied: {applied.wrapped} on {applied.backend}, {applied.device}"
 
 
-def _ddp_lines(entry: dict[str, Any]) -> list[str]:
-    buckets = entry["buckets"]
-    options = entry["options"]
+def _ddp_lines(plan: DdpPlan) -> list[str]:
+    buckets = plan.buckets
+    options = plan.options
     lines = [
         f"  DDP buckets: {len(buckets)} bucket{'s' if len(buckets) != 1 else ''} "
         f"(cap {options['bucket_cap_mb']} MiB, first 1 MiB), launched in this order"
     ]
     rows = [("bucket", "tensors", "elements", "MiB", "parameters")]
     for i, b in enumerate(buckets):
-        names = b["parameters"]
+        names = b.parameters
         span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        rows.append((str(i), str(len(names)), f"{b['numel']:,}", f"{b['mib']}", span))
+        rows.append((str(i), str(len(names)), f"{b.numel:,}", f"{b.mib}", span))
     lines += _table(rows)
     flags = [k for k in _DDP_FLAGS if options[k]]
     if flags:
@@ -65,31 +61,27 @@ def _ddp_lines(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _fsdp_lines(entry: dict[str, Any]) -> list[str]:
-    mesh = entry["mesh"]
-    shape = " x ".join(f"{n} {d}" for n, d in zip(mesh["shape"], mesh["dims"], strict=True))
+def _fsdp_lines(plan: FsdpPlan) -> list[str]:
+    shape = " x ".join(f"{n} {d}" for n, d in zip(plan.mesh_shape, plan.mesh_dims, strict=True))
     reshard = (
         "resharded after forward"
-        if entry["reshard_after_forward"]
+        if plan.reshard_after_forward
         else "kept gathered from forward to backward"
     )
     lines = [f"  FSDP2 units on mesh ({shape}); parameters {reshard}"]
-    precision = entry["mixed_precision"]
-    if precision:
+    if plan.param_dtype:
         lines.append(
-            f"  MixedPrecisionPolicy: gather in {precision['param_dtype']}, reduce-scatter "
-            f"gradients in {precision['reduce_dtype']} (the gradient communication dtype)"
+            f"  MixedPrecisionPolicy: gather in {plan.param_dtype}, reduce-scatter "
+            f"gradients in {plan.reduce_dtype} (the gradient communication dtype)"
         )
-    if entry["offload"]:
-        lines.append(f"  CPUOffloadPolicy(pin_memory={entry['offload']['pin_memory']})")
+    if plan.offload:
+        lines.append(f"  CPUOffloadPolicy(pin_memory={plan.pin_memory})")
     rows = [("unit", "block", "parameters", "per rank")]
-    for unit in entry["units"]:
-        per_rank = unit["per_rank"]
+    for unit in plan.units:
+        per_rank = unit.per_rank
         shown = " | ".join(f"{n:,}" for n in per_rank[:_SHOWN_RANKS])
         more = f" (+{len(per_rank) - _SHOWN_RANKS} ranks)" if len(per_rank) > _SHOWN_RANKS else ""
-        rows.append(
-            (unit["path"] or "<root>", unit["block"], f"{unit['parameters']:,}", shown + more)
-        )
+        rows.append((unit.path or "<root>", unit.block, f"{unit.parameters:,}", shown + more))
     return lines + _table(rows)
 
 

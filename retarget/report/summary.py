@@ -44,9 +44,9 @@ class Report:
                 for r in p.regions
             ],
             "passes": [record.to_dict() for record in p.history],
-            "modules": p.analysis.get("modules", {}),
-            "fp8": p.analysis.get("fp8"),
-            "plan": p.plan,
+            "modules": p.analysis.modules or {},
+            "fp8": p.analysis.fp8,
+            "plan": p.plan.to_dict(),
             "memory": memory.to_dict(),
             "notes": list(p.notes),
         }
@@ -101,7 +101,7 @@ class Report:
                 rows.append(row)
             lines += _table(rows)
         lines += ["", *str(memory).splitlines()]
-        lines += plan_lines(d["plan"])
+        lines += plan_lines(self.program.plan)
         lines += [f"note: {note}" for note in d["notes"]]
         return "\n".join(lines)
 

@@ -1,16 +1,16 @@
 """Apply the distribution plan the passes recorded: DDP or FSDP2 on the compiled model.
 
-`compile_for` calls `apply_plan(program)` after the passes. With a `ddp` or `fsdp` entry in
-`program.plan` it takes this process's `ProcessState` (initialising the process group from
+`compile_for` calls `apply_plan(program)` after the passes. With a `DdpPlan` or an `FsdpPlan`
+on `program.plan` it takes this process's `ProcessState` (initialising the process group from
 torchrun's environment), and:
 
-- world of one: applies nothing and says so in the plan (`plan["applied"]`) and the report;
+- world of one: applies nothing and says so in the plan (`plan.applied`) and the report;
 - DDP: torch's DistributedDataParallel wraps a small module that owns the compiled model and
   runs its forward. The DDP object is kept in the compiled model's `__dict__`, outside
   `_modules`, and the compiled model's forward calls through it (`OUTER_FORWARD`), so
   state_dict keys, parameter names and `isinstance` stay the user's while every DDP feature
   (buckets, no_sync, comm hooks, buffer broadcast, static graph) is torch's own. The comm hook
-  from `plan["comm_hook"]` is registered on it.
+  from `plan.comm_hook` is registered on it.
 - FSDP2: `fully_shard` on each planned unit (repeated blocks, then the root) over a 1-D mesh, or
   a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
   plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from retarget.core.capturing import capturing
+from retarget.core.plans import AppliedPlan, FsdpPlan
+from retarget.core.world import launch_environment
 from retarget.ir.program import Program
 from retarget.runtime.process import ProcessState
 
@@ -46,7 +47,6 @@ from retarget.runtime.process import ProcessState
 OUTER_FORWARD = "_retarget_outer_forward"
 #: compiled.__dict__ key of the Applied record.
 APPLIED = "_retarget_applied"
-_DISTRIBUTED = ("ddp", "fsdp")
 
 
 @dataclass
@@ -71,7 +71,7 @@ def applied_of(module: nn.Module) -> Applied | None:
 
 
 def apply_plan(program: Program) -> None:
-    """Realise program.plan's ddp/fsdp entry on program.module (see the module docstring).
+    """Realise program.plan's DDP or FSDP record on program.module (see the module docstring).
 
     Then install the optimizer step guard where a plain optimizer would step wrongly
     (runtime.optimizers.install_guard: FSDP-replaced parameters, zero1, fp16).
@@ -84,15 +84,15 @@ def apply_plan(program: Program) -> None:
 
 def _apply(program: Program) -> None:
     plan = program.plan
-    kind = next((k for k in _DISTRIBUTED if k in plan), None)
-    if kind is None:
+    record = plan.distribution
+    if record is None:
         _note_lonely_processes(program)
         return
     state = ProcessState.current()
-    planned = plan[kind]["world_size"]
+    planned = record.world.size
     if state.world_size == 1:
-        plan["applied"] = {"applied": False, "reason": "world size is 1"}
-        planned_for = "" if planned == 1 else f" (the plan shown is for {plan[kind]['world']})"
+        plan.applied = AppliedPlan(applied=False, reason="world size is 1")
+        planned_for = "" if planned == 1 else f" (the plan shown is for {record.world.describe()})"
         program.notes.append(
             f"plan not applied: world size is 1, the model trains in this one process"
             f"{planned_for}. Launch N processes (retarget launch --num_processes N, or torchrun) "
@@ -101,22 +101,25 @@ def _apply(program: Program) -> None:
         return
     if planned != state.world_size:
         raise ValueError(
-            f"compile_for planned '{program.target}' for {plan[kind]['world']}, but this run "
+            f"compile_for planned '{program.target}' for {record.world.describe()}, but this run "
             f"has {state.world_size} processes: drop world_size= (the run's own size is used) "
             f"or launch {planned} processes"
         )
     module = program.module
     if state.device.type != "cpu":
         module.to(state.device)
-    applied = _apply_ddp(program, state) if kind == "ddp" else _apply_fsdp(program, state)
+    if plan.ddp is not None:
+        applied = _apply_ddp(program, state)
+    else:
+        applied = _apply_fsdp(program, plan.fsdp, state)
     module.__dict__[APPLIED] = applied
-    plan["applied"] = {
-        "applied": True,
-        "world_size": state.world_size,
-        "backend": state.backend,
-        "device": str(state.device),
-        "wrapped": _wrapped(applied),
-    }
+    plan.applied = AppliedPlan(
+        applied=True,
+        world_size=state.world_size,
+        backend=state.backend,
+        device=str(state.device),
+        wrapped=_wrapped(applied),
+    )
 
 
 def _wrapped(applied: Applied) -> str:
@@ -127,7 +130,7 @@ def _wrapped(applied: Applied) -> str:
 
 
 def _note_lonely_processes(program: Program) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_environment().world_size
     if world > 1:
         program.notes.append(
             f"target '{program.target}' has no distribution part but this run has {world} "
@@ -168,12 +171,12 @@ def _apply_ddp(program: Program, state: ProcessState) -> Applied:
     module = program.module
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     ddp = DistributedDataParallel(
-        DdpModule(module), device_ids=device_ids, **program.plan["ddp"]["options"]
+        DdpModule(module), device_ids=device_ids, **program.plan.ddp.options
     )
     applied = Applied("ddp", state, ddp=ddp)
-    hook_entry = program.plan.get("comm_hook")
-    if hook_entry is not None:
-        applied.hook_state, hook = build_hook(hook_entry)
+    hook_plan = program.plan.comm_hook
+    if hook_plan is not None:
+        applied.hook_state, hook = build_hook(hook_plan)
         ddp.register_comm_hook(applied.hook_state, hook)
     module.__dict__[OUTER_FORWARD] = functools.partial(_through_ddp, ddp, module)
     return applied
@@ -189,49 +192,47 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 # -- FSDP2 -----------------------------------------------------------------------------------
 
 
-def _apply_fsdp(program: Program, state: ProcessState) -> Applied:
+def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState) -> Applied:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    entry = program.plan["fsdp"]
     # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes fully_shard HSDP.
-    shape, dims = tuple(entry["mesh"]["shape"]), tuple(entry["mesh"]["dims"])
-    mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=dims)
-    if entry["sync_module_states"]:
+    mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
+    if plan.sync_module_states:
         broadcast_module_states(program.module)
     kwargs = {
         "mesh": mesh,
-        "reshard_after_forward": entry["reshard_after_forward"],
-        "mp_policy": mixed_precision_policy(entry["mixed_precision"]),
-        "offload_policy": offload_policy(entry["offload"]),
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(plan),
+        "offload_policy": offload_policy(plan),
     }
     applied = Applied("fsdp", state, mesh=mesh)
-    for unit in entry["units"]:
-        module = program.submodule(unit["path"]) if unit["path"] else program.module
+    for unit in plan.units:
+        module = program.submodule(unit.path) if unit.path else program.module
         with hooks_skip_captures(module):
             fully_shard(module, **kwargs)
         applied.fsdp_modules.append(module)
-    if entry["state_dict"] == "full":
+    if plan.state_dict == "full":
         program.module.register_state_dict_post_hook(_full_state_dict)
         program.module.register_load_state_dict_pre_hook(_shard_loaded_state)
     return applied
 
 
-def mixed_precision_policy(entry: dict[str, str] | None) -> Any:
+def mixed_precision_policy(plan: FsdpPlan) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if entry is None:
+    if plan.param_dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(
-        param_dtype=getattr(torch, entry["param_dtype"]),
-        reduce_dtype=getattr(torch, entry["reduce_dtype"]),
+        param_dtype=getattr(torch, plan.param_dtype),
+        reduce_dtype=getattr(torch, plan.reduce_dtype),
     )
 
 
-def offload_policy(entry: dict[str, bool] | None) -> Any:
+def offload_policy(plan: FsdpPlan) -> Any:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    return OffloadPolicy() if entry is None else CPUOffloadPolicy(pin_memory=entry["pin_memory"])
+    return CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
 
 
 def broadcast_module_states(module: nn.Module) -> None:

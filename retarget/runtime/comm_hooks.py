@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+from retarget.core.plans import CommHookPlan
+
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
@@ -89,11 +90,11 @@ WRAPPERS: dict[str, Callable[[Hook], Hook]] = {
 }
 
 
-def build_hook(entry: dict[str, Any], process_group: Any = None) -> tuple[Any, Hook]:
-    """(state, hook) for `program.plan["comm_hook"]`, ready for `ddp.register_comm_hook`."""
-    if entry["kind"] == "cast":
-        return CastHookState(DTYPES[entry["dtype"]], process_group), cast_compress_hook
-    options = entry["options"]
+def build_hook(plan: CommHookPlan, process_group: Any = None) -> tuple[Any, Hook]:
+    """(state, hook) for `program.plan.comm_hook`, ready for `ddp.register_comm_hook`."""
+    if plan.kind == "cast":
+        return CastHookState(getattr(torch, plan.dtype), process_group), cast_compress_hook
+    options = plan.powersgd
     state = powerSGD_hook.PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=options["rank"],

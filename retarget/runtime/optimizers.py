@@ -275,10 +275,10 @@ class _Stepping:
 def install_guard(program: Any) -> StepGuard | None:
     """The StepGuard a compiled program needs, installed; None when plain optimizers are fine."""
     plan = program.plan
-    zero1 = "zero1" in plan and plan.get("applied", {}).get("applied")
+    zero1 = plan.zero1 is not None and plan.applied is not None and plan.applied.applied
     current = {id(p) for p in program.module.parameters()}
     stale = {id(p) for p in program.original.parameters()} - current
-    if not (zero1 or stale or "loss_scaler" in plan):
+    if not (zero1 or stale or plan.loss_scaler is not None):
         return None
     reason = "zero1 shards its state" if zero1 else None
     guard = StepGuard(program.module, stale=stale, requires_prepare=reason)

@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from retarget.core.world import launch_environment
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: torchrun's variables; RANK and WORLD_SIZE decide whether this is a distributed run.
@@ -71,9 +73,9 @@ class ProcessState:
     @classmethod
     def _build(cls, *, backend: str | None, cpu: bool) -> ProcessState:
         use_cuda = torch.cuda.is_available() and not cpu
+        env = launch_environment()
         if not dist.is_initialized():
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            if "RANK" not in os.environ or world <= 1:
+            if not env.distributed:
                 device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
                 if use_cuda:
                     torch.cuda.set_device(device)
@@ -88,12 +90,12 @@ class ProcessState:
             backend = backend or ("nccl" if use_cuda else "gloo")
             timeout = float(os.environ.get("RETARGET_TIMEOUT_S", DEFAULT_TIMEOUT_S))
             if use_cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(env.local_rank or 0)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
             end_process_group_at_exit()
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_rank = rank if env.local_rank is None else env.local_rank
+        local_world = world if env.local_world_size is None else env.local_world_size
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         return cls(rank, world, local_rank, local_world, dist.get_backend(), device)
 

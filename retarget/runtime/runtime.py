@@ -235,7 +235,7 @@ class Runtime:
         remap_parameters(optimizer, self.model, self.program.original)
         prepared = optimizer
         guard = self.guard
-        if self.applied is not None and "zero1" in self.program.plan:
+        if self.applied is not None and self.program.plan.zero1 is not None:
             prepared = zero_redundancy(optimizer)
             if guard is not None:
                 guard.allow_inner(prepared, prepared.optim)

@@ -3,7 +3,7 @@
 fp16 gradients underflow; scaling the loss by a large factor keeps them representable. The
 scale backs off when a step finds inf/nan gradients (that step is skipped) and grows after
 `growth_interval` good steps. `compile_for(model, "fp16[init_scale=1024]")` records the options
-in `compiled.program.plan["loss_scaler"]`; the runtime's backward builds the scaler from it:
+in `compiled.program.plan.loss_scaler`; the runtime's backward builds the scaler from it:
 
     >>> scaler = make_loss_scaler(compiled.program.plan, "cpu")
     >>> scaler.scale(loss).backward()
@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from retarget.core.plans import Plan
 
 #: Why a step is skipped, as the counters report it.
 INF_OR_NAN = "inf/nan in gradients"
@@ -95,7 +97,7 @@ class LossScaler:
         )
 
 
-def make_loss_scaler(plan: dict[str, Any], device: str | torch.device) -> LossScaler | None:
+def make_loss_scaler(plan: Plan, device: str | torch.device) -> LossScaler | None:
     """The scaler a compiled program's plan asks for (fp16), or None (bf16, fp32)."""
-    options = plan.get("loss_scaler")
-    return None if options is None else LossScaler(device, **options)
+    options = plan.loss_scaler
+    return None if options is None else LossScaler(device, **options.options())

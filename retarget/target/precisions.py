@@ -29,6 +29,11 @@ LOW_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.floa
 PRECISION_PART_NAMES = ("bf16", "fp16", "fp8")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how plans and reports spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def precision_of(target: Target) -> str | None:
     """The mixed_precision word a target states (None when it names no precision part)."""
     names = {name for name in target.names if name in PRECISION_PART_NAMES}

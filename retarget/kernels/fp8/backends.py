@@ -67,11 +67,11 @@ class Environment:
 
 @dataclass
 class Swapped:
-    """What a backend did: the new class per path, notes, and plan entries for the runtime."""
+    """What a backend did: the new class per path, notes, and an optimizer it made (MS-AMP)."""
 
     classes: dict[str, str]
     notes: list[str] = field(default_factory=list)
-    plan: dict[str, Any] = field(default_factory=dict)
+    optimizer: Any = None
 
 
 class CaptureAsLinear(nn.Module):
@@ -297,10 +297,10 @@ class MsampBackend(Backend):
         assert model is root, "msamp.initialize replaced the root module"
         note = (
             "msamp: weights are now MS-AMP ScalingParameters (new objects, no longer shared with "
-            "the original model); build the training step on plan['fp8']['optimizer'] "
+            "the original model); build the training step on program.plan.fp8.optimizer "
             f"(MS-AMP's optimizer for opt_level {opt_level.upper()}; set its learning rate)"
         )
-        return Swapped({p: "msamp.FP8Linear" for p in paths}, [note], {"optimizer": optimizer})
+        return Swapped({p: "msamp.FP8Linear" for p in paths}, [note], optimizer)
 
 
 BACKENDS: dict[str, Backend] = {

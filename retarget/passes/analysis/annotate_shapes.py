@@ -15,8 +15,8 @@ with another signature runs and is counted. The glue's FLOPs are shape-determine
 replayed values do not change them; only glue code that branches on values could see a
 difference (the zoo has none; the numbers are for the report, never for numerics).
 
-Results land in `program.analysis["modules"]` (per Linear/Conv path) and
-`program.analysis["regions"]` (per region), and each region graph node whose value is known
+Results land in `program.analysis.modules` (per Linear/Conv path) and
+`program.analysis.regions` (per region), and each region graph node whose value is known
 gets `node.meta["shape"]` / `node.meta["dtype"]`.
 """
 
@@ -64,9 +64,9 @@ class AnnotateShapes(Pass):
             }
             entry["graph_nodes_annotated"] = _annotate_graphs(region)
             regions[region.name] = entry
-        program.analysis["modules"] = modules
-        program.analysis["regions"] = regions
-        program.analysis["flops"] = flops.get("", 0)
+        program.analysis.modules = modules
+        program.analysis.regions = regions
+        program.analysis.flops = flops.get("", 0)
         notes = () if program.example else ("no example_inputs: shapes and FLOPs unknown",)
         stats = {
             "linear_conv": len(modules),

@@ -1,16 +1,16 @@
 """comm_hook (`fp16-comm`, `bf16-comm`, `powersgd[...]`): how DDP's gradient all-reduce is sent.
 
 - fp16-comm / bf16-comm: each bucket is cast to 16 bits, divided by the world size and
-  all-reduced, halving the bytes on the wire (`hooks.cast_compress_hook`); gradients come back
-  rounded to 16 bits, so training is close to, not equal to, float32 all-reduce.
+  all-reduced, halving the bytes on the wire (`runtime.comm_hooks.cast_compress_hook`);
+  gradients come back rounded to 16 bits, so training is close to, not equal to, float32 all-reduce.
 - powersgd[rank=,start_iter=,min_compression_rate=,error_feedback=,warm_start=,wrapper=]:
   torch's PowerSGD low-rank compression after `start_iter` plain all-reduce steps; `wrapper`
   also casts what PowerSGD sends to fp16/bf16 (Accelerate's comm_wrapper).
 
 DDP takes one hook, installed after the DDP wrap that owns it (so this pass requires shard_ddp);
-the runtime builds it from `program.plan["comm_hook"]`. Under FSDP there is no DDP all-reduce:
-the gradient communication dtype is the MixedPrecisionPolicy's reduce dtype (shard_fsdp), and
-the target refuses comm-hook parts next to fsdp/zero2/zero3/hsdp.
+the runtime builds it from `program.plan.comm_hook` (a `CommHookPlan`). Under FSDP there is no
+DDP all-reduce: the gradient communication dtype is the MixedPrecisionPolicy's reduce dtype
+(shard_fsdp), and the target refuses comm-hook parts next to fsdp/zero2/zero3/hsdp.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from retarget.core.plans import CommHookPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.target.grammar import Target
@@ -46,11 +47,11 @@ class CommHookOptions:
                 "powersgd[start_iter=2] or set error_feedback=false,warm_start=false"
             )
 
-    def plan_entry(self) -> dict[str, Any]:
-        """program.plan["comm_hook"]: what `hooks.build_hook` builds."""
+    def plan(self) -> CommHookPlan:
+        """program.plan.comm_hook: what `runtime.comm_hooks.build_hook` builds."""
         if self.part in _CAST:
-            return {"part": self.part, "kind": "cast", "dtype": _CAST[self.part]}
-        return {"part": self.part, "kind": "powersgd", "options": dict(self.powersgd)}
+            return CommHookPlan(part=self.part, kind="cast", dtype=_CAST[self.part])
+        return CommHookPlan(part=self.part, kind="powersgd", powersgd=dict(self.powersgd))
 
 
 class InstallCommHook(Pass):
@@ -73,22 +74,5 @@ class InstallCommHook(Pass):
         return [cls(CommHookOptions(part=part.name, powersgd=powersgd))]
 
     def run(self, program: Program) -> PassResult:
-        entry = self.options.plan_entry()
-        program.plan["comm_hook"] = entry
-        return PassResult(changed=True, stats={"hook": entry["part"]}, notes=(describe(entry),))
-
-
-def describe(entry: dict[str, Any]) -> str:
-    """One line for the report: which hook, and what it sends."""
-    if entry["kind"] == "cast":
-        return (
-            f"{entry['part']}: buckets all-reduced in {entry['dtype']} (half the bytes of "
-            "float32), divided by the world size before the sum"
-        )
-    o = entry["options"]
-    wrapped = "" if o["wrapper"] == "none" else f", sent in {o['wrapper']} (comm wrapper)"
-    return (
-        f"powersgd: rank-{o['rank']} approximation after {o['start_iter']} plain all-reduce "
-        f"steps, for matrices compressed at least {o['min_compression_rate']}x; "
-        f"error_feedback={o['error_feedback']}, warm_start={o['warm_start']}{wrapped}"
-    )
+        plan = program.plan.comm_hook = self.options.plan()
+        return PassResult(changed=True, stats={"hook": plan.part}, notes=(plan.describe(),))

@@ -29,7 +29,7 @@ Guards:
 
 With example inputs, one profiled forward (memory/profile.py) predicts the activations kept
 after forward with and without the plan and the FLOPs backward spends recomputing; they land in
-the notes, the stats and `program.analysis` ("activation_profile", "checkpoint").
+the notes, the stats and `program.analysis` (`.activation_profile`, `.checkpoint`).
 
     >>> compiled = retarget.compile_for(model, "bf16+ac[budget=0.5]", example_inputs=batch)
 """
@@ -113,7 +113,7 @@ class CheckpointBlocks(Pass):
         if program.example is not None:
             example = program.example
             profile = profile_activations(program.module, groups, example.args, example.kwargs)
-            program.analysis["activation_profile"] = profile
+            program.analysis.activation_profile = profile
         solved = self._solve(profile) if self.options.policy == BUDGET else None
         plan = solved.plan if solved else self._fixed_plan(groups)
         if all(policy == NONE for policy in plan.values()):
@@ -121,7 +121,7 @@ class CheckpointBlocks(Pass):
         for path, policy in plan.items():
             if policy != NONE:
                 install(program.submodule(path), policy)
-        program.analysis["checkpoint"] = {"policy": self.options.policy, "plan": plan}
+        program.analysis.checkpoint = {"policy": self.options.policy, "plan": plan}
         notes = [_group_note(program, name, paths, plan) for name, paths in _by_group(groups)]
         notes += _guard_notes(program, plan)
         stats: dict[str, Any] = {"policy": self.options.policy, **_counts(plan)}

@@ -28,7 +28,7 @@ Three forms, one per kind of code, so that every part of the model honours the t
 captured (the train/eval flags are part of a graph's call signature), and the eager and glue
 forms check `module.training` at each call.
 
-fp16 also records the dynamic loss scaler's options in `program.plan["loss_scaler"]`, which
+fp16 also records the dynamic loss scaler's options in `program.plan.loss_scaler`, which
 `retarget.runtime.scaler.make_loss_scaler` turns into a LossScaler; bf16 needs none.
 
     >>> compiled = retarget.compile_for(model, "bf16[keep_fp32=softmax|norm|loss|exp]", ...)
@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import original_class, with_mixin
+from retarget.core.plans import LossScalerPlan
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
@@ -58,7 +59,7 @@ from retarget.target.grammar import Target
 from retarget.target.precisions import LOW_DTYPES
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
-#: Loss-scaler options of the fp16 target part, recorded in program.plan["loss_scaler"].
+#: Loss-scaler options of the fp16 target part, recorded in program.plan.loss_scaler.
 SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 #: The live modules a graph's `call_module` target names: one per repeat of the region.
@@ -103,11 +104,11 @@ class AutocastOptions:
     def torch_dtype(self) -> torch.dtype:
         return LOW_DTYPES[self.dtype]
 
-    def loss_scaler(self) -> dict[str, Any] | None:
-        """The loss scaler's options (program.plan["loss_scaler"]); None for bf16."""
+    def loss_scaler(self) -> LossScalerPlan | None:
+        """The loss scaler's options (program.plan.loss_scaler); None for bf16."""
         if self.dtype != "fp16":
             return None
-        return {key: getattr(self, key) for key in SCALER_OPTIONS}
+        return LossScalerPlan(**{key: getattr(self, key) for key in SCALER_OPTIONS})
 
 
 def autocast_passes(target: Target) -> list[Pass]:
@@ -159,8 +160,8 @@ class InsertAutocast(Pass):
                 self._rewrite_region(program, region, policy, per_region[region.name])
         scaler = self.options.loss_scaler()
         if scaler is not None:
-            program.plan["loss_scaler"] = scaler
-            notes.append(f"fp16: dynamic loss scaling, plan['loss_scaler'] = {scaler}")
+            program.plan.loss_scaler = scaler
+            notes.append(f"fp16: dynamic loss scaling, plan.loss_scaler = {scaler.options()}")
         if not self.options.autocast_eval:
             notes.append("autocast_eval=false: eval-mode forwards run in float32")
         stats = {

@@ -1,7 +1,7 @@
 """swap_fp8: swap eligible nn.Linear modules for FP8 ones (native, torchao, te or msamp).
 
 1. Decide per Linear with the eligibility table (`fp8_rules.py`, beside this pass): swapped,
-   or the rule that kept it and why. The report lists every Linear (`program.analysis["fp8"]`).
+   or the rule that kept it and why. The report lists every Linear (`program.analysis.fp8`).
 2. Pick and check the backend (`retarget.kernels.fp8.backends`) before touching anything.
 3. Swap at module level in the structural copy (`program.module`): native re-classes each Linear
    in place as a Float8Linear; torchao and te put their module at the Linear's path. The weight
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
+from retarget.core.plans import Fp8Plan
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.kernels.fp8.backends import Environment, select_backend
@@ -140,7 +141,7 @@ class SwapFp8(Pass):
         chosen = [d.path for d in decisions if d.swapped]
         devices = {program.submodule(path).weight.device for path in chosen}
         backend.check(recipe, self.environment, devices)  # refuse before touching anything
-        report = program.analysis["fp8"] = {
+        report = program.analysis.fp8 = {
             "backend": backend.name,
             "why": why,
             "recipe": dataclasses.asdict(recipe),
@@ -159,8 +160,8 @@ class SwapFp8(Pass):
         )
         for path, class_name in swapped.classes.items():
             report["linears"][path]["class"] = class_name
-        if swapped.plan:
-            program.plan["fp8"] = swapped.plan
+        if swapped.optimizer is not None:
+            program.plan.fp8 = Fp8Plan(backend=backend.name, optimizer=swapped.optimizer)
         calls = report["graph_module_calls"] = route_regions(self.name, program, set(chosen))
         stats["graph_module_calls"] = sum(calls.values())
         notes = (
@@ -175,7 +176,7 @@ class SwapFp8(Pass):
 
 def _called_paths(program: Program) -> set[str] | None:
     """Linears whose forward ran on the example inputs (annotate_shapes' hooks saw them)."""
-    modules = program.analysis.get("modules")
+    modules = program.analysis.modules
     if program.example is None or modules is None:
         return None
     return {path for path, entry in modules.items() if "inputs" in entry}

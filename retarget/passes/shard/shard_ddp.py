@@ -2,8 +2,8 @@
 
 The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
-`program.plan["ddp"]`, holds DDP's settings (the `ddp[...]` options) and the gradient buckets
-DDP will all-reduce, computed the way DDP computes them:
+`program.plan.ddp` (a `DdpPlan`), holds DDP's settings (the `ddp[...]` options) and the
+gradient buckets DDP will all-reduce, computed the way DDP computes them:
 
 - default (`find_unused_parameters=false`): the first backward all-reduces one bucket; DDP then
   rebuilds buckets in the order gradients became ready, which for a model that runs its modules
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from retarget.core.world import planned_world
+from retarget.core.plans import DdpBucket, DdpPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.target.grammar import PARTS, Target
@@ -90,18 +90,17 @@ class ShardDdp(Pass):
         return passes
 
     def run(self, program: Program) -> PassResult:
-        world = planned_world(program)
+        world = program.world
         params = trainable_parameters(program.module)
         buckets = plan_buckets(params, self.options)
         total = sum(p.numel() for _, p in params)
-        program.plan["ddp"] = {
-            "strategy": program.target.strategy,
-            "world_size": world.size,
-            "world": world.describe(),
-            "options": self.options.ddp_kwargs(),
-            "parameters": total,
-            "buckets": buckets,
-        }
+        program.plan.ddp = DdpPlan(
+            strategy=program.target.strategy,
+            world=world,
+            options=self.options.ddp_kwargs(),
+            parameters=total,
+            buckets=tuple(buckets),
+        )
         notes = [
             f"DDP over {world.describe()}: every rank holds all {total:,} parameters; "
             f"gradients are averaged by all-reduce in {len(buckets)} bucket(s)",
@@ -116,9 +115,7 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def plan_buckets(
-    params: list[tuple[str, nn.Parameter]], options: DdpOptions
-) -> list[dict[str, Any]]:
+def plan_buckets(params: list[tuple[str, nn.Parameter]], options: DdpOptions) -> list[DdpBucket]:
     """The buckets DDP all-reduces in steady state, in the order it launches them."""
     if not params:
         return []
@@ -135,14 +132,12 @@ def plan_buckets(
     return [_bucket([order[i] for i in bucket]) for bucket in indices]
 
 
-def _bucket(members: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+def _bucket(members: list[tuple[str, nn.Parameter]]) -> DdpBucket:
     numel = sum(p.numel() for _, p in members)
     nbytes = sum(p.numel() * p.element_size() for _, p in members)
-    return {
-        "parameters": [name for name, _ in members],
-        "numel": numel,
-        "mib": round(nbytes / _MIB, 3),
-    }
+    return DdpBucket(
+        parameters=tuple(name for name, _ in members), numel=numel, mib=round(nbytes / _MIB, 3)
+    )
 
 
 def bucket_note(options: DdpOptions) -> str:

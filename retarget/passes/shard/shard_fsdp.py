@@ -23,9 +23,9 @@ dtype (`param_dtype`) and reduce-scatters gradients in float32 (`reduce_dtype`).
 gradient communication dtype is this reduce dtype; DDP comm hooks (fp16-comm, bf16-comm,
 powersgd) do not apply and the target refuses them.
 
-The record, `program.plan["fsdp"]`, lists the units with their parameter count and the elements
-each rank holds (FSDP2 shards dim 0 of every parameter in torch.chunk pieces); the runtime
-applies it (`retarget.runtime.apply_plan`).
+The record, `program.plan.fsdp` (an `FsdpPlan`), lists the units with their parameter count
+and the elements each rank holds (FSDP2 shards dim 0 of every parameter in torch.chunk
+pieces); the runtime applies it (`retarget.runtime.apply_plan`).
 
     >>> compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch, world_size=8)
     >>> print(compiled.report)        # units, per-rank counts, mixed-precision policy
@@ -41,14 +41,14 @@ import torch
 from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
-from retarget.core.world import World, planned_world
+from retarget.core.plans import FsdpPlan, FsdpUnit
+from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.target.grammar import Target
+from retarget.target.precisions import LOW_DTYPES, dtype_name
 from retarget.target.strategies import FSDP_STRATEGIES
 
-#: Precision part -> the dtype FSDP gathers parameters in.
-PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
 REDUCE_DTYPE = "float32"
 ROOT_UNIT = ""
@@ -94,7 +94,7 @@ class FsdpOptions:
         part = next(target.get(n) for n in FSDP_STRATEGIES if n in target)
         values = part.as_dict()
         _refuse_unsupported(part.name, values)
-        precision = next((n for n in PARAM_DTYPES if n in target), None)
+        precision = next((n for n in LOW_DTYPES if n in target), None)
         kwargs: dict[str, Any] = {
             "strategy": part.name,
             "reshard_after_forward": values.get("reshard", part.name != "zero2"),
@@ -103,7 +103,7 @@ class FsdpOptions:
             "state_dict": values["state_dict"],
             "replicate": values.get("replicate", 0),
             "shard": values.get("shard", 0),
-            "param_dtype": PARAM_DTYPES.get(precision),
+            "param_dtype": dtype_name(LOW_DTYPES[precision]) if precision else None,
             "reduce_dtype": REDUCE_DTYPE if precision else None,
         }
         offload = target.get("offload")
@@ -121,15 +121,7 @@ class FsdpOptions:
         """(size,) for a 1-D mesh; (replicate, shard) for hsdp. ValueError if it does not fit."""
         if self.strategy != "hsdp":
             return (world.size,)
-        shard = self.shard or min(world.local_size, world.size)
-        replicate = self.replicate or max(world.size // shard, 1)
-        if replicate * shard != world.size:
-            raise ValueError(
-                f"hsdp[replicate={replicate},shard={shard}] needs replicate x shard = "
-                f"{replicate * shard} processes, but the world has {world.size}; choose "
-                f"replicate and shard whose product is {world.size}"
-            )
-        return (replicate, shard)
+        return world.hsdp_mesh(self.replicate, self.shard)
 
     def pin(self) -> bool:
         if self.pin_memory == "auto":
@@ -179,10 +171,10 @@ class ShardFsdp(Pass):
         return [cls(FsdpOptions.from_target(target))]
 
     def run(self, program: Program) -> PassResult:
-        world = planned_world(program)
+        world = program.world
         mesh = self.options.mesh_shape(world)
         units, kept = plan_units(program, self.options.min_params)
-        program.plan["fsdp"] = fsdp_plan(self.options, world, mesh, units)
+        program.plan.fsdp = fsdp_plan(self.options, world, mesh, units)
         notes = [unit_note(u, mesh) for u in units]
         notes += kept
         notes.append(mixed_precision_note(self.options))
@@ -194,33 +186,31 @@ class ShardFsdp(Pass):
 
 def fsdp_plan(
     options: FsdpOptions, world: World, mesh: tuple[int, ...], units: list[Unit]
-) -> dict[str, Any]:
-    """program.plan["fsdp"]: everything the runtime needs, as plain data."""
-    return {
-        "strategy": options.strategy,
-        "world_size": world.size,
-        "world": world.describe(),
-        "mesh": {"shape": list(mesh), "dims": ["replicate", "shard"][-len(mesh) :]},
-        "reshard_after_forward": options.reshard_after_forward,
-        "sync_module_states": options.sync_module_states,
-        "state_dict": options.state_dict,
-        "mixed_precision": (
-            {"param_dtype": options.param_dtype, "reduce_dtype": options.reduce_dtype}
-            if options.param_dtype
-            else None
-        ),
-        "offload": {"pin_memory": options.pin()} if options.offload else None,
-        "units": [
-            {
-                "path": u.path,
-                "block": u.block_type,
-                "parameters": u.parameters,
-                "per_rank": u.per_rank(mesh),
-                "shapes": [list(s) for s in u.shapes],
-            }
+) -> FsdpPlan:
+    """program.plan.fsdp: everything the runtime needs to call fully_shard."""
+    return FsdpPlan(
+        strategy=options.strategy,
+        world=world,
+        mesh_shape=tuple(mesh),
+        mesh_dims=("replicate", "shard")[-len(mesh) :],
+        reshard_after_forward=options.reshard_after_forward,
+        sync_module_states=options.sync_module_states,
+        state_dict=options.state_dict,
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        offload=options.offload,
+        pin_memory=options.offload and options.pin(),
+        units=tuple(
+            FsdpUnit(
+                path=u.path,
+                block=u.block_type,
+                parameters=u.parameters,
+                per_rank=tuple(u.per_rank(mesh)),
+                shapes=u.shapes,
+            )
             for u in units
-        ],
-    }
+        ),
+    )
 
 
 def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]]:

@@ -7,7 +7,7 @@ updated parameters. The runtime realises it with torch's ZeroRedundancyOptimizer
 has to be prepared: a plain optimizer stepping the model under zero1 would keep the whole state
 on every rank, so the runtime stops it at its first step with an error saying so.
 
-The record, `program.plan["zero1"]`, gives each rank's share, computed as
+The record, `program.plan.zero1` (a `Zero1Plan`), gives each rank's share, computed as
 ZeroRedundancyOptimizer partitions (largest parameters first, each to the rank holding the
 fewest elements so far), for the trainable parameters as one group.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from retarget.core.world import planned_world
+from retarget.core.plans import Zero1Plan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_ddp import trainable_parameters
@@ -33,15 +33,10 @@ class ShardOptimizerState(Pass):
     provides = ("zero1",)
 
     def run(self, program: Program) -> PassResult:
-        world = planned_world(program)
+        world = program.world
         params = [p for _, p in trainable_parameters(program.module)]
         shares = partition(params, world.size)
-        program.plan["zero1"] = {
-            "optimizer": OPTIMIZER,
-            "world_size": world.size,
-            "per_rank": shares,
-            "requires_prepare": True,
-        }
+        program.plan.zero1 = Zero1Plan(optimizer=OPTIMIZER, world=world, per_rank=tuple(shares))
         notes = (
             f"optimizer state of {sum(shares):,} parameters sharded over {world.describe()}: "
             f"per rank {', '.join(f'{n:,}' for n in shares)}",

@@ -1,0 +1,208 @@
+"""Plan records: what the passes decide and the runtime applies, as frozen typed values.
+
+Passes run before (and without) a process group. What needs one is recorded on `program.plan`
+and realised later by `retarget.runtime.apply_plan` (DDP, FSDP2, comm hooks), the Runtime (loss
+scaler, ZeroRedundancyOptimizer) and the optimizer guard; the report prints the same records.
+
+    field         record          written by               read by
+    ddp           DdpPlan         shard_ddp                apply_plan, report
+    zero1         Zero1Plan       shard_optimizer_state    Runtime.prepare, optimizer guard
+    fsdp          FsdpPlan        shard_fsdp               apply_plan, memory estimate, report
+    comm_hook     CommHookPlan    comm_hook                apply_plan (runtime.comm_hooks)
+    loss_scaler   LossScalerPlan  insert_autocast (fp16)   Runtime (runtime.scaler)
+    fp8           Fp8Plan         swap_fp8 (msamp)         the user (MS-AMP's optimizer)
+    applied       AppliedPlan     apply_plan               Runtime, optimizer guard, report
+
+Each record is frozen: a pass replaces a field, nobody edits a record in place. `to_dict()`
+gives the JSON form the report's `to_dict()["plan"]` carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from retarget.core.world import World
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, World):
+        return {"size": value.size, "local_size": value.local_size, "source": value.source}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+@dataclass(frozen=True, kw_only=True)
+class DdpBucket:
+    """One gradient bucket DDP all-reduces, in launch order."""
+
+    parameters: tuple[str, ...]
+    numel: int
+    mib: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DdpPlan:
+    """Replicate with torch's DistributedDataParallel."""
+
+    strategy: str
+    """ddp or zero1 (the target's strategy)."""
+    world: World
+    """The world the plan was made for; apply_plan refuses a run of another size."""
+    options: Mapping[str, Any]
+    """DistributedDataParallel's keyword arguments."""
+    parameters: int
+    """Trainable elements every rank holds and all-reduces."""
+    buckets: tuple[DdpBucket, ...]
+    """The buckets DDP builds (reverse definition order, 1 MiB first bucket)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero1Plan:
+    """Shard optimizer state over the DDP ranks (ZeroRedundancyOptimizer)."""
+
+    optimizer: str
+    """The class runtime.prepare wraps the user's optimizer in."""
+    world: World
+    per_rank: tuple[int, ...]
+    """Elements of optimizer state each rank holds (ZeroRedundancyOptimizer's greedy split)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpUnit:
+    """One fully_shard call."""
+
+    path: str
+    """The module's path ("" is the root, always the last unit)."""
+    block: str
+    parameters: int
+    per_rank: tuple[int, ...]
+    """Elements each rank holds, in rank order."""
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpPlan:
+    """Shard with FSDP2: units, mesh, mixed precision and offload policies."""
+
+    strategy: str
+    """fsdp, zero3, zero2 or hsdp."""
+    world: World
+    mesh_shape: tuple[int, ...]
+    """(world,) or, for hsdp, (replicate, shard)."""
+    mesh_dims: tuple[str, ...]
+    reshard_after_forward: bool
+    sync_module_states: bool
+    state_dict: str
+    """sharded (DTensor shards) or full (whole tensors, gathered on every rank)."""
+    param_dtype: str | None
+    """MixedPrecisionPolicy.param_dtype (None: no policy, everything in float32)."""
+    reduce_dtype: str | None
+    offload: bool
+    pin_memory: bool
+    units: tuple[FsdpUnit, ...]
+
+    @property
+    def shard_size(self) -> int:
+        """Processes one parameter is sharded over (the mesh's last dimension)."""
+        return self.mesh_shape[-1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommHookPlan:
+    """A DDP communication hook: a 16-bit cast all-reduce, or PowerSGD."""
+
+    part: str
+    """fp16-comm, bf16-comm or powersgd (the target part)."""
+    kind: str
+    """cast or powersgd."""
+    dtype: str | None = None
+    """cast: the dtype buckets are all-reduced in."""
+    powersgd: Mapping[str, Any] = field(default_factory=dict)
+    """powersgd: its options (rank, start_iter, min_compression_rate, error_feedback,
+    warm_start, wrapper)."""
+
+    def describe(self) -> str:
+        """One line for the report: which hook, and what it sends."""
+        if self.kind == "cast":
+            return (
+                f"{self.part}: buckets all-reduced in {self.dtype} (half the bytes of "
+                "float32), divided by the world size before the sum"
+            )
+        o = self.powersgd
+        wrapped = "" if o["wrapper"] == "none" else f", sent in {o['wrapper']} (comm wrapper)"
+        return (
+            f"powersgd: rank-{o['rank']} approximation after {o['start_iter']} plain all-reduce "
+            f"steps, for matrices compressed at least {o['min_compression_rate']}x; "
+            f"error_feedback={o['error_feedback']}, warm_start={o['warm_start']}{wrapped}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScalerPlan:
+    """fp16's dynamic loss scaling (torch.amp.GradScaler's options)."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+    def options(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Plan:
+    """What an FP8 backend hands the training loop (MS-AMP's own optimizer)."""
+
+    backend: str
+    optimizer: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedPlan:
+    """What apply_plan did in this process."""
+
+    applied: bool
+    reason: str = ""
+    """Why nothing was applied (applied=False)."""
+    world_size: int = 1
+    backend: str = ""
+    device: str = ""
+    wrapped: str = ""
+    """What wraps the model: DistributedDataParallel (+ hook state) or fully_shard x N."""
+
+
+@dataclass
+class Plan:
+    """The records of one Program; a field is None until its pass (or apply_plan) sets it."""
+
+    ddp: DdpPlan | None = None
+    zero1: Zero1Plan | None = None
+    fsdp: FsdpPlan | None = None
+    comm_hook: CommHookPlan | None = None
+    loss_scaler: LossScalerPlan | None = None
+    fp8: Fp8Plan | None = None
+    applied: AppliedPlan | None = None
+
+    @property
+    def distribution(self) -> DdpPlan | FsdpPlan | None:
+        """The DDP or FSDP record, whichever the target asked for."""
+        return self.ddp or self.fsdp
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the records that are set, by field name."""
+        return {
+            f.name: _json(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
