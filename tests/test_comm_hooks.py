@@ -8,6 +8,7 @@ from torch import nn
 
 import retarget
 from retarget.core.plans import CommHookPlan, Plan
+from retarget.core.slots import APPLIED
 from retarget.runtime.comm_hooks import build_hook, hook_stats
 from tests import zoo
 from tests.distributed import run_ranks
@@ -78,7 +79,7 @@ def _hook_ranks(rank, world):
         model = retarget.compile_for(zoo.tiny_llama(), f"ddp+{part}", example_inputs=mine[0])
         train(model, mine, torch.optim.SGD(model.parameters(), LR))
         out[part] = max_difference(model, plain)
-        out[part + " stats"] = hook_stats(model.__dict__["_retarget_applied"].hook_state)
+        out[part + " stats"] = hook_stats(APPLIED.get(model).hook_state)
         if part == "fp16-comm":
             # torch's own fp16_compress_hook on a DDP written by hand: the same numbers.
             by_hand = DistributedDataParallel(zoo.tiny_llama())
@@ -107,7 +108,7 @@ def _hook_ranks(rank, world):
             optimizer.zero_grad()
             losses.append(loss.item())
         out[target] = (losses[0], losses[-1])
-        out[target + " stats"] = hook_stats(model.__dict__["_retarget_applied"].hook_state)
+        out[target + " stats"] = hook_stats(APPLIED.get(model).hook_state)
     return out
 
 

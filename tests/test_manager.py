@@ -12,6 +12,7 @@ from torch import nn
 import retarget
 from retarget.core.errors import PassError, PassOrderError, VerificationError
 from retarget.core.modules import structural_copy, with_mixin
+from retarget.core.slots import PROGRAM
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Numerics, Pass, PassResult
@@ -31,7 +32,7 @@ def make(name, requires=(), provides=(), run=None, numerics=None):
 def program_for(model, example=None):
     root = with_mixin(structural_copy(model), retarget.CompiledModule)
     program = Program(root, model, parse_target("single"), ExampleInputs.of(example))
-    root.__dict__["_retarget_program"] = program
+    PROGRAM.set(root, program)
     return program
 
 

@@ -6,6 +6,7 @@ import torch
 
 import retarget
 from retarget.core.plans import AppliedPlan
+from retarget.core.slots import APPLIED
 from retarget.passes.shard.shard_ddp import DdpOptions, plan_buckets, trainable_parameters
 from retarget.passes.shard.zero1 import partition
 from retarget.runtime.optimizers import OptimizerNotPrepared
@@ -103,7 +104,7 @@ def _ddp_ranks(rank, world):
     with torch.no_grad():
         logits = model(input_ids=batches[0]["input_ids"]).logits
         expected = reference(input_ids=batches[0]["input_ids"]).logits
-    ddp = model.program.module.__dict__["_retarget_applied"].ddp
+    ddp = APPLIED.get(model.program.module).ddp
     out["eval"] = (not ddp.training, (logits - expected).abs().max().item())
 
     # MNIST CNN with 2 MiB buckets: numerics and the buckets DDP really built.
@@ -115,7 +116,7 @@ def _ddp_ranks(rank, world):
     train(model, [share(b, rank, world) for b in batches], torch.optim.SGD(model.parameters(), LR))
     train(reference, batches, torch.optim.SGD(reference.parameters(), LR))
     out["mnist"] = max_difference(model, reference)
-    ddp = model.program.module.__dict__["_retarget_applied"].ddp
+    ddp = APPLIED.get(model.program.module).ddp
     built = ddp.reducer._get_zeros_like_grad_buckets()
     out["buckets_built"] = [len(b.parameters()) for b in built]
     out["buckets_planned"] = [len(b.parameters) for b in model.program.plan.ddp.buckets]

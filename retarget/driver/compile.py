@@ -8,6 +8,7 @@ from typing import IO, Any
 from torch import nn
 
 from retarget.core.modules import structural_copy, with_mixin
+from retarget.core.slots import PROGRAM
 from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
 from retarget.ir.program import ExampleInputs, Program
@@ -76,7 +77,7 @@ def compile_for(
         capture=capture,
         world=World.resolve(world_size),
     )
-    root.__dict__["_retarget_program"] = program
+    PROGRAM.set(root, program)
     manager.run(program)
     # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
     apply_plan(program)

@@ -15,6 +15,7 @@ from torch import nn
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import sync_weights_into
+from retarget.core.slots import OUTER_FORWARD, PROGRAM, RUNTIME
 from retarget.ir.region import RegionModule
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class CompiledModule(RegionModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A wrapper the runtime installed (DDP, retarget.runtime.apply_plan) runs the call and sets
         # itself aside while it runs this forward again; a capture traces the model's own code.
-        outer = self.__dict__.get("_retarget_outer_forward")
+        outer = OUTER_FORWARD.get(self)
         if outer is not None and not capturing():
             return outer(*args, **kwargs)
         return super().forward(*args, **kwargs)
@@ -41,14 +42,14 @@ class CompiledModule(RegionModule):
         """The training loop's helpers for this model: shard, prepare, backward, accumulate, ..."""
         from retarget.runtime.runtime import Runtime
 
-        runtime = self.__dict__.get("_retarget_runtime")
+        runtime = RUNTIME.get(self)
         if runtime is None:
-            runtime = self.__dict__["_retarget_runtime"] = Runtime(self)
+            runtime = RUNTIME.set(self, Runtime(self))
         return runtime
 
     @property
     def program(self) -> Program:
-        return self.__dict__["_retarget_program"]
+        return PROGRAM.get(self)
 
     @property
     def report(self) -> Report:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from retarget.core.capturing import capturing_originals
 from retarget.core.errors import PassError
+from retarget.core.slots import BINDINGS, PATH, REGION
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
 
 PENDING = "pending"
@@ -89,7 +90,7 @@ class Region:
 
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = call_key(module, args, kwargs)
-        return key if self.shared else (module.__dict__.get("_retarget_path"), key)
+        return key if self.shared else (PATH.get(module), key)
 
     def graph_for(self, module: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph | None:
         """The graph for this call, capturing it on first sight; None means run eager."""
@@ -134,7 +135,7 @@ class Region:
             for _, wrap in self.eager_forms:
                 eager = wrap(eager)
             return eager(*args, **kwargs)
-        bindings = module.__dict__.setdefault("_retarget_bindings", {})
+        bindings = BINDINGS.setdefault(module, {})
         cached = bindings.get(id(graph))
         if cached is None or cached[0] != self.version:
             cached = (self.version, graph.private_attributes(module))
@@ -149,13 +150,13 @@ def _mismatch_only(failures: list[tuple[str, str]]) -> bool:
 @contextlib.contextmanager
 def running_eagerly(modules: tuple[nn.Module, ...]) -> Iterator[None]:
     """Let region modules run their original forward (while they are being traced)."""
-    parked = [(m, m.__dict__.pop("_retarget_region", None)) for m in modules]
+    parked = [(m, REGION.pop(m)) for m in modules]
     try:
         yield
     finally:
         for module, region in parked:
             if region is not None:
-                module.__dict__["_retarget_region"] = region
+                REGION.set(module, region)
 
 
 def _apply(pass_name: str, transform: GraphTransform, graph: CapturedGraph) -> None:
@@ -173,7 +174,7 @@ class RegionModule(nn.Module):
     _retarget_mixin = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        region = self.__dict__.get("_retarget_region")
+        region = REGION.get(self)
         if region is None:
             return super().forward(*args, **kwargs)
         return region.call(self, args, kwargs, super().forward)

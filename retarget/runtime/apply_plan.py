@@ -7,7 +7,7 @@ torchrun's environment), and:
 - world of one: applies nothing and says so in the plan (`plan.applied`) and the report;
 - DDP: torch's DistributedDataParallel wraps a small module that owns the compiled model and
   runs its forward. The DDP object is kept in the compiled model's `__dict__`, outside
-  `_modules`, and the compiled model's forward calls through it (`OUTER_FORWARD`), so
+  `_modules`, and the compiled model's forward calls through it (the OUTER_FORWARD slot), so
   state_dict keys, parameter names and `isinstance` stay the user's while every DDP feature
   (buckets, no_sync, comm hooks, buffer broadcast, static graph) is torch's own. The comm hook
   from `plan.comm_hook` is registered on it.
@@ -21,7 +21,7 @@ capture traces the module's own forward, so the hooks FSDP installed on the modu
 all-gather and free parameters) are made to stand aside while `region.capturing()` is true:
 the outer call's hooks have already gathered the parameters the capture reads.
 
-What was applied is kept as an `Applied` record in the compiled model's `__dict__` (APPLIED),
+What was applied is kept as an `Applied` record in the compiled model's APPLIED slot,
 which the Runtime reads for no_sync, gradient sync and hook statistics.
 """
 
@@ -39,14 +39,10 @@ from torch import nn
 
 from retarget.core.capturing import capturing
 from retarget.core.plans import AppliedPlan, FsdpPlan
+from retarget.core.slots import APPLIED, OUTER_FORWARD
 from retarget.core.world import launch_environment
 from retarget.ir.program import Program
 from retarget.runtime.process import ProcessState
-
-#: compiled.__dict__ key of a callable the compiled model's forward calls through (DDP).
-OUTER_FORWARD = "_retarget_outer_forward"
-#: compiled.__dict__ key of the Applied record.
-APPLIED = "_retarget_applied"
 
 
 @dataclass
@@ -67,7 +63,7 @@ class Applied:
 
 def applied_of(module: nn.Module) -> Applied | None:
     """The Applied record of a compiled model, or None when compile_for applied no plan."""
-    return module.__dict__.get(APPLIED)
+    return APPLIED.get(module)
 
 
 def apply_plan(program: Program) -> None:
@@ -112,7 +108,7 @@ def _apply(program: Program) -> None:
         applied = _apply_ddp(program, state)
     else:
         applied = _apply_fsdp(program, plan.fsdp, state)
-    module.__dict__[APPLIED] = applied
+    APPLIED.set(module, applied)
     plan.applied = AppliedPlan(
         applied=True,
         world_size=state.world_size,
@@ -154,13 +150,12 @@ class DdpModule(nn.Module):
         self.compiled = compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        held = self.compiled.__dict__
-        outer = held.pop(OUTER_FORWARD, None)
+        outer = OUTER_FORWARD.pop(self.compiled)
         try:
             return self.compiled.forward(*args, **kwargs)
         finally:
             if outer is not None:
-                held[OUTER_FORWARD] = outer
+                OUTER_FORWARD.set(self.compiled, outer)
 
 
 def _apply_ddp(program: Program, state: ProcessState) -> Applied:
@@ -178,7 +173,7 @@ def _apply_ddp(program: Program, state: ProcessState) -> Applied:
     if hook_plan is not None:
         applied.hook_state, hook = build_hook(hook_plan)
         ddp.register_comm_hook(applied.hook_state, hook)
-    module.__dict__[OUTER_FORWARD] = functools.partial(_through_ddp, ddp, module)
+    OUTER_FORWARD.set(module, functools.partial(_through_ddp, ddp, module))
     return applied
 
 

@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from retarget.core.slots import STEP_GUARD
 from retarget.runtime.scaler import LossScaler
 
 
@@ -282,9 +283,9 @@ def install_guard(program: Any) -> StepGuard | None:
         return None
     reason = "zero1 shards its state" if zero1 else None
     guard = StepGuard(program.module, stale=stale, requires_prepare=reason)
-    program.module.__dict__["_retarget_step_guard"] = guard
+    STEP_GUARD.set(program.module, guard)
     return guard
 
 
 def guard_of(module: nn.Module) -> StepGuard | None:
-    return module.__dict__.get("_retarget_step_guard")
+    return STEP_GUARD.get(module)

@@ -31,6 +31,7 @@ from torch import nn
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import original_class, with_mixin
+from retarget.core.slots import AUTOCAST_EVAL, TE_RECIPE
 from retarget.kernels.fp8.native import Float8Linear
 from retarget.kernels.fp8.recipe import Fp8Recipe
 
@@ -81,7 +82,7 @@ class CaptureAsLinear(nn.Module):
     _retarget_fp8 = True
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        fp8_in_eval = self.__dict__.get("_retarget_autocast_eval", False)
+        fp8_in_eval = AUTOCAST_EVAL.get(self, False)
         if capturing() or (not self.training and not fp8_in_eval):
             return F.linear(x, self.weight, self.bias)
         return super().forward(x, *args, **kwargs)
@@ -170,7 +171,7 @@ class TorchaoBackend(Backend):
         classes = {}
         for path in paths:
             module = with_mixin(root.get_submodule(path), CaptureAsLinear)
-            module.__dict__["_retarget_autocast_eval"] = recipe.autocast_eval
+            AUTOCAST_EVAL.set(module, recipe.autocast_eval)
             classes[path] = f"torchao.{original_class(module).__name__}"
         notes = []
         if recipe.scaling == "rowwise" and recipe.format == "hybrid":
@@ -218,8 +219,8 @@ class TeBackend(Backend):
             if linear.bias is not None:
                 module.bias = linear.bias
             module = with_mixin(module, TeAutocast)
-            module.__dict__["_retarget_te_recipe"] = te_recipe
-            module.__dict__["_retarget_autocast_eval"] = recipe.autocast_eval
+            TE_RECIPE.set(module, te_recipe)
+            AUTOCAST_EVAL.set(module, recipe.autocast_eval)
             module.train(linear.training)
             root.set_submodule(path, module)
             classes[path] = "te.Linear"
@@ -244,8 +245,8 @@ class TeAutocast(nn.Module):
         if capturing():
             return F.linear(x, self.weight, self.bias)
         te = importlib.import_module("transformer_engine.pytorch")
-        enabled = self.training or self.__dict__.get("_retarget_autocast_eval", False)
-        with te.fp8_autocast(enabled=enabled, fp8_recipe=self.__dict__["_retarget_te_recipe"]):
+        enabled = self.training or AUTOCAST_EVAL.get(self, False)
+        with te.fp8_autocast(enabled=enabled, fp8_recipe=TE_RECIPE.get(self)):
             return super().forward(x, *args, **kwargs)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from retarget.core.modules import original_class, with_mixin
+from retarget.core.slots import PATH, REGION
 from retarget.frontends import FRONTENDS
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import ROOT, Program
@@ -97,13 +98,13 @@ class CaptureRegions(Pass):
         for region in regions:
             for path in region.paths:
                 module = with_mixin(program.submodule(path), RegionModule)
-                module.__dict__["_retarget_region"] = region
-                module.__dict__["_retarget_path"] = path
+                REGION.set(module, region)
+                PATH.set(module, path)
 
     def _uninstall(self, program: Program, regions: list[Region]) -> None:
         for region in regions:
             for path in region.paths:
-                program.submodule(path).__dict__.pop("_retarget_region", None)
+                REGION.pop(program.submodule(path))
 
     def _capture(self, program: Program, region: Region, inputs: dict, notes: list[str]) -> None:
         first = region.paths[0]

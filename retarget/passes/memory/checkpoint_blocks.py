@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import with_mixin
+from retarget.core.slots import CHECKPOINT, REGION
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.memory.activation_profile import (
@@ -223,7 +224,7 @@ def install(module: nn.Module, policy: str) -> None:
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
     )
     checkpointed = with_mixin(module, CheckpointedModule)
-    checkpointed.__dict__["_retarget_checkpoint"] = BlockCheckpoint(policy, batchnorms)
+    CHECKPOINT.set(checkpointed, BlockCheckpoint(policy, batchnorms))
 
 
 class CheckpointedModule(nn.Module):
@@ -235,10 +236,10 @@ class CheckpointedModule(nn.Module):
         forward = super().forward
         if capturing() or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        region = self.__dict__.get("_retarget_region")
+        region = REGION.get(self)
         if region is not None:
             region.graph_for(self, args, kwargs)  # a new signature is captured out here
-        setting: BlockCheckpoint = self.__dict__["_retarget_checkpoint"]
+        setting: BlockCheckpoint = CHECKPOINT.get(self)
         return checkpoint(
             forward,
             *args,
@@ -303,7 +304,7 @@ def _guard_notes(program: Program, plan: dict[str, str]) -> list[str]:
         if policy == NONE:
             continue
         module = program.submodule(path)
-        setting: BlockCheckpoint = module.__dict__["_retarget_checkpoint"]
+        setting: BlockCheckpoint = CHECKPOINT.get(module)
         if setting.batchnorms:
             notes.append(
                 f"{path}: {len(setting.batchnorms)} BatchNorm running stats restored after each "

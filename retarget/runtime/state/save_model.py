@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from retarget.core.slots import PROGRAM
 from retarget.runtime.process import ProcessState
 from retarget.runtime.state.codec import fsync_file
 
@@ -80,14 +81,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     A `CompiledModule` gives back the model passed to compile_for, carrying the current
     weights. FSDP2 adds no wrapper (the module itself is sharded): it comes back as it is.
     """
-    from retarget.driver.compiled import CompiledModule
-
     while True:
         if isinstance(model, DistributedDataParallel):
             model = model.module
         elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             model = model._orig_mod
-        elif isinstance(model, CompiledModule):
+        elif PROGRAM.get(model) is not None:  # a compile_for result (driver.compiled)
             model = model.unwrap()
         else:
             return model

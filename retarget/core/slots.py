@@ -1,0 +1,66 @@
+"""Slots: the values retarget keeps in a module object's `__dict__`, each declared once here.
+
+`nn.Module.__setattr__` registers a Module or Parameter value as a child or a parameter (which
+would change `state_dict` keys and `named_modules`), and plain attributes show up in `repr` and
+`vars`. A slot writes into `module.__dict__` directly under a `_retarget_` key, so the user's
+model keeps its keys, children and hooks; and every such value is listed here with its writer:
+
+    slot           holds                                            written by
+    PROGRAM        the compiled model's Program                     driver.compile
+    RUNTIME        its Runtime, made on first use                   driver.compiled
+    OUTER_FORWARD  the call the compiled forward goes through (DDP) runtime.apply_plan
+    APPLIED        what apply_plan applied (runtime.apply_plan.Applied)  runtime.apply_plan
+    STEP_GUARD     the optimizer StepGuard                          runtime.optimizers
+    REGION         the Region a block repeat belongs to             passes.capture.capture_regions
+    PATH           that repeat's path in the model                  passes.capture.capture_regions
+    BINDINGS       per graph, the graph-private values bound to it  ir.region
+    CHECKPOINT     how a repeat is checkpointed                     passes.memory.checkpoint_blocks
+    AUTOCAST       a glue module's autocast policy                  passes.precision.insert_autocast
+    AUTOCAST_EVAL  whether an FP8 module runs FP8 in eval mode      kernels.fp8.backends
+    TE_RECIPE      a Transformer Engine module's recipe             kernels.fp8.backends
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from torch import nn
+
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    """One named value in a module's `__dict__`."""
+
+    def __init__(self, name: str):
+        self.key = f"_retarget_{name}"
+
+    def get(self, module: nn.Module, default: Any = None) -> T | Any:
+        return module.__dict__.get(self.key, default)
+
+    def set(self, module: nn.Module, value: T) -> T:
+        module.__dict__[self.key] = value
+        return value
+
+    def pop(self, module: nn.Module, default: Any = None) -> T | Any:
+        return module.__dict__.pop(self.key, default)
+
+    def setdefault(self, module: nn.Module, default: T) -> T:
+        return module.__dict__.setdefault(self.key, default)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.key!r})"
+
+
+PROGRAM: Slot[Any] = Slot("program")
+RUNTIME: Slot[Any] = Slot("runtime")
+OUTER_FORWARD: Slot[Any] = Slot("outer_forward")
+APPLIED: Slot[Any] = Slot("applied")
+STEP_GUARD: Slot[Any] = Slot("step_guard")
+REGION: Slot[Any] = Slot("region")
+PATH: Slot[str] = Slot("path")
+BINDINGS: Slot[dict] = Slot("bindings")
+CHECKPOINT: Slot[Any] = Slot("checkpoint")
+AUTOCAST: Slot[Any] = Slot("autocast")
+AUTOCAST_EVAL: Slot[bool] = Slot("autocast_eval")
+TE_RECIPE: Slot[Any] = Slot("te_recipe")
