@@ -1,4 +1,5 @@
-"""The `retarget` command line (cli/main.py, cli/demo.py) and its renderers (report/render.py).
+"""The `retarget` command line (cli/main.py, cli/demo.py) and its renderers (report/render.py,
+report/dot_figure.py).
 
 Commands run in-process through `main([...])` for speed; one test runs the installed console
 script to prove the entry point and the current-directory import.
@@ -24,6 +25,8 @@ from retarget.cli.main import main
 from retarget.ir.program import PassRecord
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
 from retarget.report import render
+from retarget.report.dot_figure import CHANGE_STYLES
+from retarget.report.module_decisions import GLUE, REPEAT
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = ["tests.zoo:tiny_llama", "--inputs", "tests.zoo:lm_inputs", "--target", "single"]
@@ -84,7 +87,7 @@ def test_inspect_json_has_report_and_graphs(capsys, tmp_path):
     assert data["history_graphs"]["capture_regions"][REGION] == data["graphs"][REGION]
     assert data["history_graphs"]["find_blocks"] == {}
     roles = {row["path"]: row["role"] for row in data["module_tree"]}
-    assert roles["model.layers.0"] == render.REPEAT and roles["lm_head"] == render.GLUE
+    assert roles["model.layers.0"] == REPEAT and roles["lm_head"] == GLUE
 
 
 def test_inspect_dot_has_tree_and_one_cluster_per_region(capsys):
@@ -97,7 +100,7 @@ def test_inspect_dot_has_tree_and_one_cluster_per_region(capsys):
     assert '"r0:linear" [label="linear\\n2x16x64"' in out  # op short name and meta shape
     assert '"r0:linear" -> "r0:view"' in out
     # Only the spine passes ran: no node is highlighted (the colors appear in the legend only).
-    for fill, _, _ in render.CHANGE_STYLES.values():
+    for fill, _, _ in CHANGE_STYLES.values():
         assert out.count(fill) == 1
 
 
@@ -235,33 +238,6 @@ def test_progress_bar_redraws_one_line_on_a_terminal():
 
 
 # ------------------------------------------------------------------------- highlighting
-def _traced_pair() -> tuple[str, str]:
-    def block(x):
-        y = torch.relu(x)
-        return torch.sigmoid(y) + 1
-
-    gm = fx.symbolic_trace(block)
-    before = gm.code
-    relu = next(n for n in gm.graph.nodes if n.name == "relu")
-    with gm.graph.inserting_after(relu):
-        neg = gm.graph.call_function(torch.neg, (relu,))
-    relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
-    gm.recompile()
-    return before, gm.code
-
-
-def test_node_changes_marks_added_and_rewired_nodes_only():
-    before, after = _traced_pair()
-    changes = render.node_changes([("capture_regions", before), ("insert_neg", after)])
-    assert changes["neg"] == render.Change("added", "insert_neg")
-    assert changes["sigmoid"] == render.Change("changed", "insert_neg")  # now reads neg
-    assert {"x", "relu", "add", "output"}.isdisjoint(changes)
-    assert render.node_changes([("capture_regions", before)]) == {}
-    # A pass that undoes the rewrite leaves nothing highlighted.
-    stages = [("capture_regions", before), ("insert_neg", after), ("undo", before)]
-    assert render.node_changes(stages) == {}
-
-
 @pytest.fixture(scope="module")
 def rewritten_program():
     """TinyLM compiled, then a fake pass that inserts a clone after the first op of the block.
@@ -295,7 +271,7 @@ def rewritten_program():
 def test_dot_highlights_nodes_added_after_capture(rewritten_program):
     program, first, clone = rewritten_program
     lines = render.render_dot(program).splitlines()
-    added_fill = render.CHANGE_STYLES["added"][0]
+    added_fill = CHANGE_STYLES["added"][0]
     drawn = next(line for line in lines if line.strip().startswith(f'"r0:{clone}" ['))
     assert added_fill in drawn and "+ fake_clone" in drawn
     untouched = next(line for line in lines if line.strip().startswith(f'"r0:{first}" ['))

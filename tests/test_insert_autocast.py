@@ -18,11 +18,9 @@ from torch.utils._pytree import tree_flatten
 
 import retarget
 from retarget.core.modules import original_class
-from retarget.passes.precision.insert_autocast import (
-    AutocastModule,
-    AutocastOptions,
-    rewrite_graph,
-)
+from retarget.passes.precision.autocast_eager import AutocastModule
+from retarget.passes.precision.autocast_graph import rewrite_graph
+from retarget.passes.precision.insert_autocast import AutocastOptions
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.target.grammar import TargetError
 from tests.conftest import step

@@ -1,3 +1,4 @@
 """What a compile did, for people: the report table and dict (`summary.py`), graph renderings
-(`render.py`), the distribution plan as text (`plan_text.py`), the memory estimate
+(`render.py`: text, JSON, HTML; `dot_figure.py`: DOT/SVG; from `graph_history.py` and
+`module_decisions.py`), the distribution plan as text (`plan_text.py`), the memory estimate
 (`memory_estimate.py`). Reads the Program; changes nothing."""

@@ -1,0 +1,93 @@
+"""insert_autocast's eager and glue forms: a forward run under torch.autocast, outputs in float32.
+
+The eager form wraps the forward of a region no frontend captured (`LowPrecision.eager_form`);
+the glue form re-classes each plain Linear/Conv leaf outside the regions as an `AutocastModule`
+(`LowPrecision.install`), and so does the graph form for the leaves a graph calls. Why leaves
+and not the root forward: see insert_autocast.py's docstring.
+
+    >>> policy = LowPrecision(torch.bfloat16)
+    >>> policy.install(model.lm_head)     # lm_head runs in bf16 and returns float32
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from retarget.core.capturing import capturing
+from retarget.core.modules import with_mixin
+from retarget.core.slots import AUTOCAST
+from retarget.passes.precision import autocast_rules as rules
+
+
+@dataclass(frozen=True)
+class LowPrecision:
+    """Runs a forward under torch.autocast and casts its low-precision outputs to float32."""
+
+    dtype: torch.dtype
+    autocast_eval: bool = True
+
+    def call(self, module: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
+        """`forward(*args, **kwargs)` of `module` under this policy."""
+        if not (module.training or self.autocast_eval):
+            return forward(*args, **kwargs)
+        with torch.autocast(_device_type(module, args, kwargs), dtype=self.dtype):
+            out = forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, self._to_float32, out)
+
+    def install(self, module: nn.Module) -> None:
+        """Run `module`'s forward under this policy (see AutocastModule)."""
+        AUTOCAST.set(with_mixin(module, AutocastModule), self)
+
+    def _to_float32(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if tensor.dtype == self.dtype else tensor
+
+    def eager_form(self, fallback: nn.Module):
+        """Region.add_transform's eager_form: wraps a region's eager forward."""
+
+        def wrap(forward):
+            # The innermost callable is the module's bound forward; other forms may wrap it.
+            module = getattr(inspect.unwrap(forward), "__self__", fallback)
+
+            @functools.wraps(forward)
+            def run(*args, **kwargs):
+                return self.call(module, forward, args, kwargs)
+
+            return run
+
+        return wrap
+
+
+class AutocastModule(nn.Module):
+    """Mixin of a Linear/Conv leaf that runs under torch.autocast (see LowPrecision).
+
+    While a region is being captured it runs as the plain module, so the graph records the
+    user's computation and the graph rewrite decides the precision again.
+    """
+
+    _retarget_mixin = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if capturing():
+            return super().forward(*args, **kwargs)
+        policy = AUTOCAST.get(self)
+        return policy.call(self, super().forward, args, kwargs)
+
+
+def is_plain_leaf(module: nn.Module) -> bool:
+    """A Linear/Conv of exactly a LOWER_MODULES class (not a subclass such as an FP8 Linear)."""
+    return type(module) in rules.LOWER_MODULES or isinstance(module, AutocastModule)
+
+
+def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    parameter = next(module.parameters(), None)
+    return "cpu" if parameter is None else parameter.device.type

@@ -1,0 +1,241 @@
+"""insert_autocast's graph form: casts inserted into a captured region's fx graph.
+
+Each matmul-class op gets its floating inputs cast to the low dtype, island ops of the kinds
+kept in float32 get theirs cast back, and the values leaving the graph are cast back to the
+dtype eager gives; every other op runs in the dtype its inputs have. insert_autocast.py's
+docstring says why; autocast_rules.py holds the per-op tables this module drives.
+
+    >>> plan_graph(gm, AutocastOptions())            # what the rewrite would do: counts
+    >>> rewrite_graph(gm, options=AutocastOptions())  # gm.meta["autocast"] records what it did
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from retarget.core.modules import original_class
+from retarget.passes.precision import autocast_rules as rules
+from retarget.passes.precision.autocast_eager import LowPrecision, is_plain_leaf
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
+
+#: The live modules a graph's `call_module` target names: one per repeat of the region.
+Modules = Callable[[str], list[nn.Module]]
+
+# Dtype states of a graph value after the rewrite.
+LOW = "low"  # the low dtype, for sure
+EAGER = "eager"  # the dtype eager gives, for sure
+MAYBE = "maybe"  # either: casts that need one or the other are inserted
+
+
+class GraphOptions(Protocol):
+    """What the graph form reads of insert_autocast's AutocastOptions."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]: ...
+
+    @property
+    def autocast_eval(self) -> bool: ...
+
+
+def plan_graph(
+    gm: fx.GraphModule, options: GraphOptions, modules: Modules | None = None
+) -> dict[str, Any]:
+    """Counts of what rewrite_graph would do, without changing `gm`."""
+    modules = modules or _own_modules(gm)
+    decisions = rules.classify(gm.graph, gm)
+    lowered = Counter(rules.op_name(n) for n, d in decisions.items() if _lowers(n, d))
+    for node in (n for n, d in decisions.items() if d == rules.MODULE):
+        plain = [m for m in modules(node.target) if is_plain_leaf(m)]
+        if plain:
+            lowered[rules.LOWER_MODULES[original_class(plain[0])] + " (module)"] += 1
+    islands = Counter(
+        f"{d}:{rules.op_name(n)}" for n, d in decisions.items() if d in options.keep_fp32
+    )
+    total = sum(lowered.values())
+    return {"lowered": total, "lowered_ops": dict(lowered), "islands": dict(islands)}
+
+
+def rewrite_graph(
+    gm: fx.GraphModule, *, options: GraphOptions, modules: Modules | None = None
+) -> None:
+    """The graph form (see the module docstring); a graph already rewritten is left alone.
+
+    A `call_module` of a plain Linear/Conv leaf (a graph that routes calls to modules, as
+    swap_fp8 does, keeping some Linears plain) runs that leaf under torch.autocast in every
+    repeat (`modules` finds them; default: `gm`'s own submodules); modules of other classes,
+    FP8 Linears among them, keep their own precision.
+
+    Records what it did in `gm.meta["autocast"]` and each value's dtype state in
+    `node.meta["autocast"]` (low / eager / maybe); `meta["val"]` keeps the fp32 trace.
+    """
+    if "autocast" in gm.meta:
+        return
+    if gm.meta.get("training") is False and not options.autocast_eval:
+        gm.meta["autocast"] = {"skipped": "eval mode and autocast_eval=false", "casts": 0}
+        return
+    modules = modules or _own_modules(gm)
+    summary = plan_graph(gm, options, modules)
+    rewriter = _GraphRewriter(gm, options, modules)
+    rewriter.run()
+    gm.meta["autocast"] = {**summary, "casts": rewriter.casts}
+
+
+class _GraphRewriter:
+    def __init__(self, gm: fx.GraphModule, options: GraphOptions, modules: Modules):
+        self.graph = gm.graph
+        self.modules = modules
+        self.policy = LowPrecision(options.torch_dtype, options.autocast_eval)
+        self.low = options.torch_dtype
+        self.keep = frozenset(options.keep_fp32)
+        self.decisions = rules.classify(gm.graph, gm)
+        self.state: dict[fx.Node, str] = {}
+        self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.casts = 0
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            decision = self.decisions.get(node)
+            if node.op == "output":
+                self._cast_inputs(node, self._restore)
+                continue
+            if _lowers(node, decision):
+                self._cast_inputs(node, self._lower)
+                state = LOW if _is_float32(node) else MAYBE  # multi-output ops: MAYBE
+            elif decision in self.keep:
+                self._cast_inputs(node, self._restore)
+                state = EAGER
+            elif decision == rules.MODULE:
+                for module in self.modules(node.target):
+                    if is_plain_leaf(module):
+                        self.policy.install(module)
+                state = self._propagate(node)  # the leaf casts its outputs back
+            elif rules.op_name(node) == "_assert_tensor_metadata":
+                if self.state.get(node.args[0], EAGER) != EAGER:
+                    self.graph.erase_node(node)  # export's check of a dtype we changed
+                continue
+            else:
+                state = self._propagate(node)
+            self.state[node] = state
+            node.meta["autocast"] = state
+
+    def _cast_inputs(self, node: fx.Node, cast) -> None:
+        node.args = fx.node.map_arg(node.args, functools.partial(cast, user=node))
+        node.kwargs = fx.node.map_arg(node.kwargs, functools.partial(cast, user=node))
+
+    def _lower(self, value: fx.Node, user: fx.Node) -> fx.Node:
+        if self.state.get(value) == LOW or not _may_be_float(value):
+            return value
+        return self._cast(value, self.low, user)
+
+    def _restore(self, value: fx.Node, user: fx.Node) -> fx.Node:
+        if self.state.get(value, EAGER) == EAGER or not _may_be_float(value):
+            return value
+        known = rules.value_of(value)
+        eager = known.dtype if isinstance(known, torch.Tensor) else torch.float32
+        return self._cast(value, eager, user)
+
+    def _cast(self, value: fx.Node, dtype: torch.dtype, user: fx.Node) -> fx.Node:
+        """`value` cast to `dtype`, once per value and dtype; before its first user."""
+        key = (value, dtype)
+        if key not in self.cache:
+            # A value of unknown dtype (no traced value) may be an integer or bool tensor.
+            known = isinstance(rules.value_of(value), torch.Tensor)
+            cast_fn = torch.ops.aten.to.dtype if known else cast_floating
+            with self.graph.inserting_before(user):
+                cast = self.graph.call_function(cast_fn, (value, dtype))
+            cast.meta["autocast"] = LOW if dtype == self.low else EAGER
+            self.state[cast] = cast.meta["autocast"]
+            self.cache[key] = cast
+            self.casts += 1
+        return self.cache[key]
+
+    def _propagate(self, node: fx.Node) -> str:
+        """The dtype state of an op this pass does not rewrite, from its inputs' states."""
+        if not _may_be_float(node) or _explicit_dtype(node):
+            return EAGER
+        inputs = [x for x in node.all_input_nodes if _may_be_float(x)]
+        states = [self.state.get(x, EAGER) for x in inputs]
+        if all(s == EAGER for s in states):
+            return EAGER
+        if _is_inplace(node):
+            return self.state.get(node.args[0], EAGER)
+        name = rules.op_name(node)
+        if name in rules.FOLLOWS and all(s == LOW for s in states):
+            return LOW
+        if name in rules.PROMOTES and _is_float32(node):
+            pairs = zip(inputs, states, strict=True)
+            if any(s == EAGER and _is_float32(x, dimensioned=True) for x, s in pairs):
+                return EAGER
+        return MAYBE
+
+
+def _lowers(node: fx.Node, decision: str | None) -> bool:
+    """A matmul-class op that eager runs in float32 (float64 stays, as under torch.autocast)."""
+    if decision != rules.LOWER:
+        return False
+    value = rules.value_of(node)
+    leaves = [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    return value is None or any(v.dtype == torch.float32 for v in leaves)
+
+
+def _own_modules(gm: fx.GraphModule) -> Modules:
+    return lambda target: [gm.get_submodule(target)]
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value.to(dtype)` for a float32/bf16/fp16 tensor, else `value` (float64 stays, as under
+    torch.autocast). The cast of graph values whose traced dtype is unknown."""
+    if isinstance(value, torch.Tensor) and value.dtype in _AUTOCAST_ELIGIBLE:
+        return value.to(dtype)
+    return value
+
+
+def _is_float32(node: fx.Node, *, dimensioned: bool = False) -> bool:
+    value = rules.value_of(node)
+    if not isinstance(value, torch.Tensor):
+        return value is None and not dimensioned  # unknown: a float32 value, as traced
+    return value.dtype == torch.float32 and (value.dim() > 0 or not dimensioned)
+
+
+def _may_be_float(node: fx.Node) -> bool:
+    """False only when the traced value is known to hold no floating tensor."""
+    value = rules.value_of(node)
+    if value is None:
+        return "val" not in node.meta and "example_value" not in node.meta
+    leaves = tree_flatten(value)[0]
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in leaves)
+
+
+def _explicit_dtype(node: fx.Node) -> bool:
+    """Whether the op's output dtype is an argument (`x.to(torch.float32)`, `dtype=`)."""
+    if isinstance(node.kwargs.get("dtype"), torch.dtype):
+        return True
+    if node.op == "call_method":
+        if node.target in ("float", "double", "half", "bfloat16"):
+            return True
+        return node.target in ("to", "type") and any(isinstance(v, torch.dtype) for v in node.args)
+    if isinstance(node.target, torch._ops.OpOverload):
+        names = [argument.name for argument in node.target._schema.arguments]
+        index = names.index("dtype") if "dtype" in names else len(node.args)
+        return index < len(node.args) and isinstance(node.args[index], torch.dtype)
+    return False
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        first = target._schema.arguments[:1]
+        return bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
+    name = rules.op_name(node) or ""
+    return name.endswith("_") and not name.startswith("_")

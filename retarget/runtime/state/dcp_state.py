@@ -1,0 +1,113 @@
+"""The model and optimizer part of a checkpoint: tensors through torch.distributed.checkpoint.
+
+`model/` holds the tensors, one file per rank (under FSDP each rank's shards, under DDP or a
+single process the full tensors, written once); `model_state.json` the rest of the model and
+optimizer state dicts (learning rates, betas, parameter names) with references to the tensors.
+Loading fills templates built from the live objects, so the model must be built as it was saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from retarget.runtime.process import ProcessState
+from retarget.runtime.state.checkpoint_objects import CheckpointObjects
+from retarget.runtime.state.codec import decode, encode, tensor_names
+from retarget.runtime.state.folder import CheckpointError
+
+
+def save_model_state(folder: Path, objects: CheckpointObjects, state: ProcessState) -> bool:
+    """Write `model/` (every rank) and `model_state.json` (rank 0); whether tensors are sharded."""
+    fresh = _fresh_optimizers(objects)
+    trees = _model_trees(objects, fresh)
+    skeleton, tensors = encode({"models": trees}, where="model/optimizer state")
+    sharded = any(isinstance(t, DTensor) for t in tensors.values())
+    with _dcp_context(state):
+        dcp.save(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
+    if state.is_main_process:
+        with open(folder / "model_state.json", "w") as f:
+            json.dump({"skeleton": skeleton, "fresh_optimizers": fresh}, f)
+    return sharded
+
+
+def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessState) -> None:
+    """Model and optimizer state through DCP, into templates built from the live objects."""
+    saved = json.loads((folder / "model_state.json").read_text())
+    fresh = saved["fresh_optimizers"]
+    _, tensors = encode({"models": _model_trees(objects, fresh)}, where="model/optimizer state")
+    _check_tensor_names(folder, tensor_names(saved["skeleton"]), set(tensors))
+    with _dcp_context(state):
+        dcp.load(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
+    trees = decode(saved["skeleton"], tensors)["models"]
+    groups = zip(objects.models, objects.optimizers, fresh, trees, strict=True)
+    for model, group, flags, tree in groups:
+        stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
+        if stepped:
+            set_state_dict(
+                model, stepped, model_state_dict=tree["model"], optim_state_dict=tree["optim"]
+            )
+        else:
+            set_model_state_dict(model, tree["model"])
+        for opt in group:
+            if all(opt is not other for other in stepped):
+                opt.state.clear()  # it had not stepped when saved
+
+
+def _model_trees(objects: CheckpointObjects, fresh: list[list[bool]]) -> list[dict[str, Any]]:
+    """Per model: its state dict and its stepped optimizers' (keyed by parameter names).
+
+    An optimizer that has not stepped yet has no state to save, and is left out: torch's
+    get_state_dict would fill it with a zero-lr step (running the optimizer's step hooks).
+    """
+    trees = []
+    for model, group, flags in zip(objects.models, objects.optimizers, fresh, strict=True):
+        stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
+        if stepped:
+            model_sd, optim_sd = get_state_dict(model, stepped)
+            trees.append({"model": model_sd, "optim": optim_sd})
+        else:
+            trees.append({"model": get_model_state_dict(model)})
+    return trees
+
+
+def _fresh_optimizers(objects: CheckpointObjects) -> list[list[bool]]:
+    """Per model, per optimizer: it has not stepped yet (its state is empty)."""
+    return [[not opt.state for opt in group] for group in objects.optimizers]
+
+
+@contextlib.contextmanager
+def _dcp_context(state: ProcessState) -> Iterator[None]:
+    # DCP warns that it assumes a single process even when told so (no_dist=True).
+    with warnings.catch_warnings():
+        if not state.distributed:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _check_tensor_names(folder: Path, saved: set[str], expected: set[str]) -> None:
+    if saved == expected:
+        return
+    missing, extra = sorted(expected - saved), sorted(saved - expected)
+    lines = []
+    if missing:
+        lines.append(f"not in the checkpoint: {', '.join(missing[:5])}")
+    if extra:
+        lines.append(f"in the checkpoint but not in this model: {', '.join(extra[:5])}")
+    raise CheckpointError(
+        f"{folder}: the model/optimizer state does not match ({'; '.join(lines)}): build the "
+        "same model and optimizers as the saved run"
+    )
