@@ -156,7 +156,7 @@ def unscale_agreed(scaler: LossScaler, optimizer: Optimizer, state: Any) -> None
     """
     from torch.amp.grad_scaler import OptState
 
-    inner = scaler._scaler
+    inner = scaler.grad_scaler
     per_optimizer = inner._per_optimizer_states[id(optimizer)]
     if per_optimizer["stage"] is not OptState.READY:
         return

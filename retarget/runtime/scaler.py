@@ -37,7 +37,9 @@ class LossScaler:
         growth_interval: int = 2000,
     ):
         self.device = torch.device(device).type
-        self._scaler = torch.amp.GradScaler(
+        #: torch's GradScaler underneath; runtime.optimizers.unscale_agreed drives it directly
+        #: when gradients are sharded (its found-inf flag must agree across ranks).
+        self.grad_scaler = torch.amp.GradScaler(
             self.device,
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -52,21 +54,21 @@ class LossScaler:
     @property
     def scale_value(self) -> float:
         """The current loss scale."""
-        return self._scaler.get_scale()
+        return self.grad_scaler.get_scale()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the current scale; call backward on this."""
-        return self._scaler.scale(loss)
+        return self.grad_scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale in place (before clipping them)."""
-        self._scaler.unscale_(optimizer)
+        self.grad_scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscale and step `optimizer`; False when inf/nan gradients made it skip the step."""
-        self._scaler.step(optimizer, *args, **kwargs)
+        self.grad_scaler.step(optimizer, *args, **kwargs)
         # GradScaler keeps what it found during unscale_ per optimizer and device.
-        found = self._scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found = self.grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         skipped = bool(sum(v.item() for v in found.values()))
         self.steps += 1
         self.skipped_steps += skipped
@@ -76,17 +78,17 @@ class LossScaler:
 
     def update(self) -> None:
         """Back the scale off after a skipped step, grow it after growth_interval good ones."""
-        self._scaler.update()
+        self.grad_scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "grad_scaler": self._scaler.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict(),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scaler.load_state_dict(state["grad_scaler"])
+        self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
 
