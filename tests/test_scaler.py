@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import retarget
-from retarget.core.plans import Plan
+from retarget.core.plans import LossScalerPlan, Plan
 from retarget.runtime.scaler import INF_OR_NAN, LossScaler, make_loss_scaler
 
 
@@ -101,5 +101,5 @@ def test_the_target_options_reach_the_scaler_through_the_plan():
 
 def test_no_scaler_without_fp16():
     assert make_loss_scaler(Plan(), "cpu") is None
-    with pytest.raises(TypeError):
-        make_loss_scaler({"loss_scaler": {"init_scale": 1.0, "bogus": 2}}, "cpu")
+    with pytest.raises(TypeError):  # the plan record refuses an option GradScaler lacks
+        LossScalerPlan(init_scale=1.0, bogus=2)
