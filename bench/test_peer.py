@@ -9,7 +9,7 @@ Accelerator it imports. For each target ("ddp+bf16", "fsdp") both frameworks run
 so drifting load falls on both. Figures: step time ratio retarget / Accelerate (geometric mean of
 the per-pair ratios of median step times) and peak resident memory ratio (max over ranks). Each
 run also says what the framework really ran: on a CPU-only machine Accelerate ignores an FSDP
-plugin and runs DDP (FACTS.md), so the "fsdp" pair compares our FSDP2 with its DDP; the table
+plugin and runs DDP (docs/facts.md), so the "fsdp" pair compares our FSDP2 with its DDP; the table
 says so rather than hiding it. Results go to bench/peer.json. Nothing asserts on timing.
 """
 

@@ -4,7 +4,6 @@ scripts under `retarget launch --num_processes 2` (only their import line is our
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -37,12 +36,6 @@ from tests.zoo import bert_inputs, tiny_bert
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
-RUNTIME_READY = importlib.util.find_spec("retarget.runtime.runtime") is not None
-needs_runtime = pytest.mark.skipif(
-    not RUNTIME_READY,
-    reason="waiting on the Runtime (retarget/runtime/runtime.py + step.py, compiled.runtime: "
-    "issue 4): backward, accumulate, optimizer remapping",
-)
 
 
 class Net(nn.Module):
@@ -171,7 +164,6 @@ def test_ddp_settings_and_plugins_in_a_world_of_one_are_planned_and_reported():
     assert str(fsdp.prepare(Net()).program.target) == "zero2+bf16"
 
 
-@needs_runtime
 def test_fp16_steps_through_the_loss_scaler_and_the_scheduler_follows():
     accelerator = Accelerator(
         mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=2.0**10)]
@@ -329,7 +321,6 @@ def facade_run(steps: int, accumulation: int):
     return losses, norms, [p.detach().clone() for p in model.parameters()]
 
 
-@needs_runtime
 def test_accumulated_training_equals_plain_torch_with_a_last_partial_window():
     # 5 micro-batches in windows of 2: the last window has one, and still steps.
     expected, got = plain_run(5, 2), facade_run(5, 2)
@@ -337,7 +328,6 @@ def test_accumulated_training_equals_plain_torch_with_a_last_partial_window():
     assert all(torch.equal(a, b) for a, b in zip(got[2], expected[2], strict=True))
 
 
-@needs_runtime
 def test_save_and_load_state_with_numbered_folders(tmp_path):
     config = ProjectConfiguration(
         project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2
@@ -406,7 +396,6 @@ def test_scripts_differ_from_accelerates_only_in_the_import_line():
         assert ours == ["from retarget import Accelerator"], script
 
 
-@needs_runtime
 def test_mnist_script_equals_the_compile_for_version(tmp_path):
     facade = launch("accelerate_mnist.py", cwd=tmp_path).stdout
     direct = launch("accelerate_mnist_compile_for.py", cwd=tmp_path).stdout
@@ -417,7 +406,6 @@ def test_mnist_script_equals_the_compile_for_version(tmp_path):
     assert float(re.findall(r"accuracy = (\S+)", facade)[-1]) > 0.5
 
 
-@needs_runtime
 def test_nlp_script_resumes_from_a_checkpoint_exactly(tmp_path):
     full = launch("accelerate_nlp.py", "--output_dir", str(tmp_path), cwd=tmp_path).stdout
     steps = dict(re.findall(r"step (\d+) loss (\S+)", full))
@@ -434,7 +422,6 @@ def test_nlp_script_resumes_from_a_checkpoint_exactly(tmp_path):
     assert tail == [line for line in resumed.splitlines() if line.startswith(("epoch 1", "lr "))]
 
 
-@needs_runtime
 def test_tracking_script_logs_to_tensorboard_and_uses_process_helpers(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

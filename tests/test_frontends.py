@@ -33,7 +33,7 @@ class Branchy(nn.Module):
 
 
 class SilentAutocast(nn.Module):
-    """fx drops the `with torch.autocast` block without a word (FACTS.md)."""
+    """fx drops the `with torch.autocast` block without a word (docs/facts.md)."""
 
     def __init__(self):
         super().__init__()

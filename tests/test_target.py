@@ -423,13 +423,15 @@ ERRORS = [
         "ddp+tp",
         "tp",
         "'ddp' and 'tp' do not combine: tensor parallelism composes with sharded data parallel "
-        "only; use fsdp+tp (or zero2, zero3, hsdp), or tp alone",
+        "only, and no pass implements 'tp' yet; to split a model too large for one process, "
+        "use 'fsdp'",
     ),
     (
         "single+tp",
         "tp",
         "'single' and 'tp' do not combine: tensor parallelism composes with sharded data parallel "
-        "only; use fsdp+tp (or zero2, zero3, hsdp), or tp alone",
+        "only, and no pass implements 'tp' yet; to split a model too large for one process, "
+        "use 'fsdp'",
     ),
     (
         "fp16+bf16",
@@ -483,13 +485,14 @@ ERRORS = [
     (
         "xla+bf16+compile",
         "compile",
-        "'xla' does not combine with 'compile': XLA compiles and distributes the whole program; "
-        "add only bf16",
+        "'xla' does not combine with 'compile': XLA compiles and distributes the whole program, "
+        "and no pass implements 'xla' yet; drop 'xla' to run on this process's device",
     ),
     (
         "bf16[downcast=true]",
         "bf16",
-        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16",
+        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16, and no pass implements "
+        "'xla' yet; drop downcast",
     ),
 ]
 
@@ -854,7 +857,8 @@ YAML_ERRORS = [
     ),
     (
         "distributed_type: MEGATRON_LM\n",
-        "distributed_type: MEGATRON_LM cannot be honoured; use e.g. fsdp+tp",
+        "distributed_type: MEGATRON_LM cannot be honoured (no pass implements tensor "
+        "parallelism yet); to split a model too large for one process, use FSDP",
     ),
     (
         "distributed_type: MULTI_GPUS\n",
@@ -925,7 +929,8 @@ YAML_ERRORS = [
     ),
     (
         "distributed_type: MULTI_GPU\nmixed_precision: bf16\ndowncast_bf16: 'yes'\n",
-        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16",
+        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16, and no pass implements "
+        "'xla' yet; drop downcast",
     ),
     (
         "distributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 2\n",

@@ -60,11 +60,15 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "shuffles are seeded from one seed rank 0 broadcasts, plus the epoch, so no "
         "generator needs synchronising; the global RNGs (dropout) are left to the script",
     ),
-    "torch_tp_plugin": (lambda v: v is None, "use target='fsdp+tp' (or tp)"),
+    "torch_tp_plugin": (
+        lambda v: v is None,
+        "no pass implements tensor parallelism ('tp') yet; to split a model too large for one "
+        "process, use target='fsdp'",
+    ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
-    "dynamo_plugin": (lambda v: v is None, "use target='...+compile[backend=...]'"),
+    "dynamo_plugin": (lambda v: v is None, "no pass implements torch.compile ('compile') yet"),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),
-    "parallelism_config": (lambda v: v is None, "write the target, e.g. 'hsdp' or 'fsdp+tp'"),
+    "parallelism_config": (lambda v: v is None, "write the target, e.g. target='hsdp'"),
     "gradient_accumulation_plugin": (
         lambda v: v is None,
         "pass gradient_accumulation_steps=; accumulation always ends at the end of a dataloader",

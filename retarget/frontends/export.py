@@ -1,7 +1,7 @@
 """Frontend 1: torch.export, non-strict, training IR.
 
 Non-strict export runs the module's Python code with fake tensors, so it copes with HF
-decorators, ModelOutput, tied weights and kwargs (FACTS.md); strict export drops tied weights.
+decorators, ModelOutput, tied weights and kwargs (docs/facts.md); strict export drops tied weights.
 `ep.module()` unlifts parameters back into `get_attr` nodes with their original paths, which is
 what lets `binding.py` run the graph against any repeat of a block.
 """

@@ -74,7 +74,7 @@ def build_pipeline(
         missing = ", ".join(repr(n) for n in unsupported)
         raise TargetNotSupportedError(
             f"target '{target}': no pass implements {missing} yet; refusing rather than "
-            f"silently ignoring it (supported: {', '.join(sorted(handled))})"
+            f"silently ignoring it (the parts a pass implements: {', '.join(sorted(handled))})"
         )
     options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
     return [p for _, stage in STAGES for p in stage(target, options)]

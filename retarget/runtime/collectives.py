@@ -1,7 +1,7 @@
 """Collectives on nested structures of tensors: gather, gather_for_metrics, reduce, pad, broadcast.
 
 Training loops exchange whole structures (a dict of logits and labels, a list of strings), not
-single tensors, and on CPU they do it over gloo, which has two sharp edges (FACTS.md):
+single tensors, and on CPU they do it over gloo, which has two sharp edges (docs/facts.md):
 `all_gather` needs equal sizes on every rank (a mismatched call desynchronises the group), and
 some dtypes (float8, int16, uint16, uint32) are refused. So every function here first exchanges
 a description of the structure (paths, shapes, dtypes), checks it is the same on every rank

@@ -3,7 +3,7 @@
 - fp16-comm / bf16-comm: `cast_compress_hook`, torch's fp16_compress_hook algorithm for any
   16-bit dtype: cast the bucket, divide by the world size, all-reduce, copy back. Ours because
   torch's bf16_compress_hook refuses CPU by its function name even though gloo all-reduces
-  bfloat16 fine (FACTS.md); for float16 it computes bit for bit what torch's hook computes. Its
+  bfloat16 fine (docs/facts.md); for float16 it computes bit for bit what torch's hook computes. Its
   state counts what went over the wire (calls, bytes, dtypes), which the report and tests read.
 - powersgd: torch's PowerSGDState + powerSGD_hook, optionally inside a cast wrapper
   (`powersgd[wrapper=fp16|bf16]`, Accelerate's comm_wrapper): torch's fp16_compress_wrapper,

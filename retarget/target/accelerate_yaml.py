@@ -346,7 +346,11 @@ def _read_distribution(file: _File, parts: Parts) -> str:
         file.fail("distributed_type", f"missing; set one of {', '.join(_DISTRIBUTED)}")
     kind = _word(value)
     if kind == "MEGATRON_LM":
-        file.fail("distributed_type", "MEGATRON_LM cannot be honoured; use e.g. fsdp+tp")
+        file.fail(
+            "distributed_type",
+            "MEGATRON_LM cannot be honoured (no pass implements tensor parallelism yet); "
+            "to split a model too large for one process, use FSDP",
+        )
     _words(dict.fromkeys(_DISTRIBUTED))(file, "distributed_type", value)
     for section, owner in _SECTION_OWNER.items():
         if owner != kind and not _is_noop(file.data.get(section)):
@@ -453,7 +457,7 @@ _TOP_KEYS: dict[str, Handler] = {
     "megatron_lm_config": _only(why="Megatron-LM is not supported"),
     "ipex_config": _only(why="Intel Extension for PyTorch is not supported"),
     "mpirun_config": _only(why="retarget launches with torchrun, not mpirun"),
-    "parallelism_config": _only(why="write the target instead, e.g. hsdp or fsdp+tp"),
+    "parallelism_config": _only(why="write the target instead, e.g. hsdp"),
 }
 _ENVIRONMENTS = {"LOCAL_MACHINE": False, "AMAZON_SAGEMAKER": True}
 

@@ -208,7 +208,8 @@ _CONFLICTS: dict[frozenset[str], str] = {
     },
     **{
         frozenset((s, "tp")): f"'{s}' and 'tp' do not combine: tensor parallelism composes "
-        "with sharded data parallel only; use fsdp+tp (or zero2, zero3, hsdp), or tp alone"
+        "with sharded data parallel only, and no pass implements 'tp' yet; to split a model "
+        "too large for one process, use 'fsdp'"
         for s in ("single", "ddp", "zero1")
     },
     frozenset(("bf16", "fp16")): "'bf16' and 'fp16' are both autocast dtypes; pick one "
@@ -223,7 +224,13 @@ _CONFLICTS: dict[frozenset[str], str] = {
     + _HOOK_CLASH.format("bf16"),
 }
 # Parts that combine only with the listed ones.
-_ONLY_WITH = {"xla": (("bf16",), "XLA compiles and distributes the whole program; add only bf16")}
+_ONLY_WITH = {
+    "xla": (
+        ("bf16",),
+        "XLA compiles and distributes the whole program, and no pass implements 'xla' yet; "
+        "drop 'xla' to run on this process's device",
+    )
+}
 _HOOK_NEEDS = (DDP_STRATEGIES, "comm hooks change DDP's gradient all-reduce")
 # Parts that need one of the listed parts.
 _NEEDS_ONE_OF = {
@@ -233,7 +240,15 @@ _NEEDS_ONE_OF = {
     "bf16-comm": _HOOK_NEEDS,
 }
 # (part, option, values that trigger the rule, parts of which one must be present, why)
-_OPTION_NEEDS_PART = (("bf16", "downcast", (True,), ("xla",), "it is XLA's XLA_DOWNCAST_BF16"),)
+_OPTION_NEEDS_PART = (
+    (
+        "bf16",
+        "downcast",
+        (True,),
+        ("xla",),
+        "it is XLA's XLA_DOWNCAST_BF16, and no pass implements 'xla' yet; drop downcast",
+    ),
+)
 # (part, option, trigger values or None for "set", needed option, allowed values or None for
 # "set", why): rules between the options of one part.
 _OPTION_RULES: tuple[tuple[str, str, Any, str, Any, str], ...] = (

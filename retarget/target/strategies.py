@@ -48,7 +48,10 @@ _TABLE = (
         wrapper="fsdp",
     ),
     Strategy(
-        name="xla", does="leaves distribution to XLA", shards=(False, False, False), wrapper="xla"
+        name="xla",
+        does="leaves distribution to XLA (no pass implements it yet)",
+        shards=(False, False, False),
+        wrapper="xla",
     ),
 )
 

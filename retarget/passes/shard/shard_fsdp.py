@@ -16,7 +16,7 @@ Variants, all FSDP2 with a different mesh or reshard setting:
 - hsdp: 2-D mesh (replicate, shard): shard within a group, replicate across groups;
   `hsdp[replicate=R,shard=S]`, by default one group per machine;
 - offload: FSDP2's CPUOffloadPolicy; parameters, gradients and the optimizer step live on the
-  CPU. Memory is pinned only when an accelerator is present (pinning needs one: FACTS.md).
+  CPU. Memory is pinned only when an accelerator is present (pinning needs one: docs/facts.md).
 
 Mixed precision: with bf16/fp16 in the target the MixedPrecisionPolicy gathers parameters in that
 dtype (`param_dtype`) and reduce-scatters gradients in float32 (`reduce_dtype`). Under FSDP the

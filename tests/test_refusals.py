@@ -1,0 +1,141 @@
+"""Messages about target parts no pass implements (tp, xla, compile today) never send the user
+to another refused target: every target a message suggests parses and build_pipeline accepts it.
+
+The refused parts are found by asking build_pipeline, so the test follows when a pass lands. A
+suggestion is what follows "use", "e.g.", "did you mean" or "needs one of" in a message.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from retarget.accelerate.arguments import refuse_unsupported
+from retarget.accelerate.kwargs_handlers import KwargsHandlerError
+from retarget.core.errors import TargetNotSupportedError
+from retarget.passes.pipeline import build_pipeline
+from retarget.target.accelerate_yaml import read_accelerate_config
+from retarget.target.grammar import TargetError, parse_target
+from retarget.target.schema import PARTS
+
+SUGGESTION = re.compile(
+    r"(?:\buse|\be\.g\.|did you mean|needs one of)\s+"
+    r"(?:target=)?('[^']+'(?:,\s*'[^']+')*|[A-Za-z0-9_+\-\[\]=,.]*[A-Za-z0-9\]])"
+)
+#: "no pass implements 'tp'" and "no pass implements tensor parallelism ('tp')".
+NOT_IMPLEMENTED = re.compile(r"no pass implements [^;']*'([a-z0-9-]+)'")
+#: Accelerator arguments and accelerate config files whose refusals are about a refused part.
+ACCELERATOR_ARGUMENTS = ("torch_tp_plugin", "dynamo_plugin", "parallelism_config")
+ACCELERATE_CONFIGS = (
+    "distributed_type: MEGATRON_LM\n",
+    "distributed_type: NO\nparallelism_config:\n  dp_shard_size: 2\n",
+    "distributed_type: MULTI_GPU\nmixed_precision: bf16\ndowncast_bf16: 'yes'\n",
+)
+
+
+def refusal(spec: str) -> str | None:
+    """The message that refuses `spec` (at parse or in build_pipeline), None if accepted."""
+    try:
+        build_pipeline(parse_target(spec))
+    except (TargetError, TargetNotSupportedError) as err:
+        return str(err)
+    return None
+
+
+def refused_by_pipeline(name: str) -> bool:
+    """A part that parses on its own but that no pass implements."""
+    try:
+        build_pipeline(parse_target(name))
+    except TargetNotSupportedError:
+        return True
+    except TargetError:
+        return False
+    return False
+
+
+REFUSED = [name for name in PARTS if refused_by_pipeline(name)]
+
+
+def suggestions(message: str) -> list[str]:
+    """The targets `message` suggests, lower-cased (accelerate configs say FSDP for fsdp)."""
+    found = []
+    for match in SUGGESTION.finditer(message):
+        quoted = re.findall(r"'([^']+)'", match.group(1))
+        found += quoted or [match.group(1)]
+    return [s.lower() for s in found]
+
+
+def messages_about(part: str) -> list[str]:
+    """Every refusal of a target that holds `part` with at most one other part, and of the
+    options, Accelerator arguments and config files that lead to `part`."""
+    specs = [part, *(f"{part}+{other}" for other in PARTS if other != part)]
+    found = [m for m in map(refusal, specs) if m is not None]
+    found.append(refusal("bf16[downcast=true]"))  # the option that needs xla
+    return found
+
+
+def accelerate_messages(tmp_path) -> list[str]:
+    found = []
+    for name in ACCELERATOR_ARGUMENTS:
+        with pytest.raises(KwargsHandlerError) as info:
+            refuse_unsupported(**{name: object()})
+        found.append(str(info.value))
+    for index, text in enumerate(ACCELERATE_CONFIGS):
+        path = tmp_path / f"config{index}.yaml"
+        path.write_text(text)
+        with pytest.raises(TargetError) as info:
+            read_accelerate_config(path)
+        found.append(str(info.value))
+    return found
+
+
+def test_the_refused_parts_are_tp_xla_and_compile():
+    assert set(REFUSED) == {"tp", "xla", "compile"}
+
+
+def test_suggestions_are_read_from_every_form_the_messages_use():
+    assert suggestions("pick one; use 'fsdp' or not") == ["fsdp"]
+    assert suggestions("write the target, e.g. target='hsdp'") == ["hsdp"]
+    assert suggestions("needs one of 'ddp', 'zero1': hooks") == ["ddp", "zero1"]
+    assert suggestions("cannot be honoured; use FSDP") == ["fsdp"]
+    assert suggestions("do not combine; use bf16+fp8") == ["bf16+fp8"]
+    assert suggestions("no pass implements 'tp' yet") == []
+
+
+@pytest.mark.parametrize("part", REFUSED)
+def test_refusals_suggest_only_accepted_targets(part):
+    messages = messages_about(part)
+    assert any(f"no pass implements '{part}'" in m for m in messages)
+    for message in messages:
+        for suggested in suggestions(message):
+            assert refusal(suggested) is None, f"{message!r} suggests refused {suggested!r}"
+
+
+def test_accelerate_refusals_suggest_only_accepted_targets(tmp_path):
+    for message in accelerate_messages(tmp_path):
+        for suggested in suggestions(message):
+            assert refusal(suggested) is None, f"{message!r} suggests refused {suggested!r}"
+
+
+@pytest.mark.parametrize("part", REFUSED)
+def test_a_message_that_names_a_refused_part_says_it_has_no_pass(part):
+    for message in messages_about(part):
+        if f"'{part}'" in message:
+            assert "no pass implements" in message, message
+
+
+@pytest.mark.parametrize("part", REFUSED)
+def test_pipeline_lists_only_parts_a_pass_implements(part):
+    message = refusal(part)
+    listed = message.rpartition("the parts a pass implements: ")[2].rstrip(")").split(", ")
+    assert not set(listed) & set(REFUSED), message
+    assert set(listed) | set(REFUSED) == set(PARTS), message
+
+
+def test_not_implemented_is_said_only_of_refused_parts(tmp_path):
+    messages = [m for part in REFUSED for m in messages_about(part)]
+    named = {
+        n for m in messages + accelerate_messages(tmp_path) for n in NOT_IMPLEMENTED.findall(m)
+    }
+    assert named == set(REFUSED)
