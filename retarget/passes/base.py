@@ -1,9 +1,13 @@
 """The pass contract.
 
-A pass declares what it is (`name`, one-line `summary`), what must run before it (`requires`:
-pass names or facts other passes `provides`), how it may change numbers (`numerics`), and its
-options as a frozen keyword-only dataclass. `run(program)` returns a `PassResult`; a pass with
-nothing to do returns `changed=False` and touches nothing. Unsupported patterns raise
+A pass declares what it is (`name`, one-line `summary`), what must hold before it runs
+(`requires`: facts an earlier pass `provides`, or an earlier pass's name), what it makes hold
+(`provides`: tokens of passes/facts.py, checked after it runs), which passes it must follow when
+they are present (`after`), how it may change numbers (`numerics`), and its options as a frozen
+keyword-only dataclass. The first lines of a pass's module repeat these as one machine-readable
+`Contract:` line (tests/test_pass_contracts.py keeps the two equal). `stage(target, capture)`
+builds the passes a target asks for; `run(program)` returns a `PassResult`; a pass with nothing
+to do returns `changed=False` and touches nothing. Unsupported patterns raise
 NotImplementedError naming the pass and the module path or node; the PassManager wraps every
 failure in a PassError that also names the passes that ran before.
 
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from retarget.ir.program import Program
+    from retarget.target.grammar import Target
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Pass:
     summary: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
     numerics: ClassVar[Numerics] = EXACT
     Options: ClassVar[type] = NoOptions
 
@@ -67,6 +73,15 @@ class Pass:
         self.options = self.Options() if options is None else options
         if not isinstance(self.options, self.Options):
             raise TypeError(f"pass '{self.name}' takes {self.Options.__name__}, got {options!r}")
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The passes of this class that realise `target`, options set; [] when it asks for none.
+
+        `capture` is compile_for's CaptureOptions (capture mode, frontends); only
+        capture_regions reads it. Every stage of passes/pipeline.py is built through this call.
+        """
+        raise NotImplementedError(f"pass '{cls.name}' does not implement stage()")
 
     def run(self, program: Program) -> PassResult:
         raise NotImplementedError(f"pass '{self.name}' does not implement run()")
