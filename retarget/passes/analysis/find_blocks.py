@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 from torch import nn
@@ -19,6 +20,7 @@ from torch import nn
 from retarget.core.modules import original_class
 from retarget.ir.program import BlockGroup, Program
 from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
 
 #: Attributes that name a module's position rather than what it computes.
 POSITION_ATTRIBUTES = frozenset(
@@ -40,6 +42,11 @@ class FindBlocks(Pass):
     summary = "module tree as networkx; repeated blocks by structural hashing"
     provides = ("tree", "blocks")
     Options = FindBlocksOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """Every target: the tree and the repeated blocks decide what becomes a region."""
+        return [cls()]
 
     def run(self, program: Program) -> PassResult:
         fingerprints: dict[int, str] = {}

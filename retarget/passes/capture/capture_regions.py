@@ -28,6 +28,7 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import ROOT, Program
 from retarget.ir.region import Region, RegionModule, running_eagerly
 from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
 
 MODES = ("regions", "whole", "eager")
 
@@ -53,6 +54,11 @@ class CaptureRegions(Pass):
     requires = ("blocks",)
     provides = ("regions",)
     Options = CaptureOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """Every target, with compile_for's capture mode and frontends (`capture`)."""
+        return [cls(capture)]
 
     def run(self, program: Program) -> PassResult:
         mode = self.options.mode

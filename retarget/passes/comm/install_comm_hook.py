@@ -64,7 +64,7 @@ class InstallCommHook(Pass):
     Options = CommHookOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's comm-hook stage: this pass when the target names a hook."""
         part = next((target.get(n) for n in HOOK_PARTS if n in target), None)
         if part is None:

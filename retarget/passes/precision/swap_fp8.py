@@ -128,7 +128,7 @@ class SwapFp8(Pass):
     environment: ClassVar[Environment] = Environment()
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's fp8 stage: this pass when the target has an fp8 part."""
         return [cls(SwapFp8Options.from_target(target))] if "fp8" in target else []
 

@@ -73,21 +73,15 @@ class ShardDdp(Pass):
     summary = "replicate with DDP: gradients all-reduced in buckets (plan; applied by the runtime)"
     requires = ("regions",)
     provides = ("ddp",)
+    # DDP registers the modules and parameters as every rewriting pass left them.
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
     Options = DdpOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
-        """The pipeline's DDP stage: this pass, plus optimizer-state sharding for zero1."""
-        # zero1.py builds on this module's helpers: imported here, not at the top.
-        from retarget.passes.shard.zero1 import ShardOptimizerState
-
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The pass for the target's ddp or zero1 part (zero1 replicates with DDP); [] without."""
         part = target.get("ddp") or target.get("zero1")
-        if part is None:
-            return []
-        passes: list[Pass] = [cls(DdpOptions(**part.as_dict()))]
-        if part.name == "zero1":
-            passes.append(ShardOptimizerState())
-        return passes
+        return [] if part is None else [cls(DdpOptions(**part.as_dict()))]
 
     def run(self, program: Program) -> PassResult:
         world = planned_world(program)

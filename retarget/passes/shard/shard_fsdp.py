@@ -169,10 +169,13 @@ class ShardFsdp(Pass):
     summary = "FSDP2 units: each repeated block plus the root, sharded over a mesh (plan)"
     requires = ("regions",)
     provides = ("fsdp",)
+    # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
+    # (autocast) inside its own all-gather.
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
     Options = FsdpOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's FSDP stage: this pass when the target has a sharded strategy."""
         if not any(n in target for n in FSDP_STRATEGIES):
             return []

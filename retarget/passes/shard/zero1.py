@@ -22,6 +22,7 @@ from retarget.core.world import planned_world
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_ddp import trainable_parameters
+from retarget.target.grammar import Target
 
 OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
 
@@ -31,6 +32,11 @@ class ShardOptimizerState(Pass):
     summary = "ZeRO-1: optimizer state sharded over the DDP ranks (applied by runtime.prepare)"
     requires = ("ddp",)
     provides = ("zero1",)
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The pass for the target's zero1 part, on top of shard_ddp's replication; [] without."""
+        return [cls()] if "zero1" in target else []
 
     def run(self, program: Program) -> PassResult:
         world = planned_world(program)
