@@ -4,12 +4,17 @@ A pass declares what it is (`name`, one-line `summary`), what must hold before i
 (`requires`: facts an earlier pass `provides`, or an earlier pass's name), what it makes hold
 (`provides`: tokens of passes/facts.py, checked after it runs), which passes it must follow when
 they are present (`after`), how it may change numbers (`numerics`), and its options as a frozen
-keyword-only dataclass. The first lines of a pass's module repeat these as one machine-readable
-`Contract:` line (tests/test_pass_contracts.py keeps the two equal). `stage(target, capture)`
-builds the passes a target asks for; `run(program)` returns a `PassResult`; a pass with nothing
-to do returns `changed=False` and touches nothing. Unsupported patterns raise
-NotImplementedError naming the pass and the module path or node; the PassManager wraps every
-failure in a PassError that also names the passes that ran before.
+keyword-only dataclass. The third line of a pass's module docstring repeats these, machine-read
+by tests/test_pass_contracts.py, which keeps the two equal ("-" is none; the line may wrap onto
+lines starting "    | "):
+
+    Contract: requires regions | provides ddp | after checkpoint_blocks | numerics exact
+        | options DdpOptions
+
+`stage(target, capture)` builds the passes a target asks for; `run(program)` returns a
+`PassResult`; a pass with nothing to do returns `changed=False` and touches nothing. Unsupported
+patterns raise NotImplementedError naming the pass and the module path or node; the PassManager
+wraps every failure in a PassError that also names the passes that ran before.
 
     class CountLinears(Pass):
         name = "count_linears"

@@ -1,5 +1,7 @@
 """annotate_shapes: shapes, dtypes, parameter counts and FLOPs per region and per Linear/Conv.
 
+Contract: requires regions | provides shapes | after - | numerics exact | options NoOptions
+
 FLOPs are counted, not guessed: one eager forward of the original model on the example inputs
 under torch.utils.flop_counter.FlopCounterMode (no grad; RNG and buffers restored), which
 attributes each matmul/convolution to the module that issued it. Forward hooks on the same run

@@ -1,5 +1,7 @@
 """find_blocks: the module tree as networkx, and its repeated blocks by structural hashing.
 
+Contract: requires - | provides tree, blocks | after - | numerics exact | options FindBlocksOptions
+
 A module's fingerprint hashes its class, its own parameters and buffers (name, shape, dtype,
 requires_grad), its plain scalar attributes and its children's fingerprints. Modules with
 children and parameters whose fingerprint occurs more than once are the repeats of one block;

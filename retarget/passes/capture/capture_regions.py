@@ -1,5 +1,7 @@
 """capture_regions: capture one graph per distinct block type and reuse it for every repeat.
 
+Contract: requires blocks | provides regions | after - | numerics exact | options CaptureOptions
+
 Modes (`compile_for(capture=...)`):
 - "regions" (default): every repeated block found by find_blocks is a region; glue code
   (embeddings, HF wrappers, losses) stays eager. A model without repeated blocks is one region.

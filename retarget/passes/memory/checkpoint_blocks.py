@@ -1,5 +1,8 @@
 """checkpoint_blocks (`ac`): recompute repeated blocks in backward instead of keeping activations.
 
+Contract: requires regions | provides ac | after swap_fp8, insert_autocast | numerics exact
+    | options CheckpointOptions
+
 Policies (`ac[...]` options):
 - `full` (default): every repeated block runs under non-reentrant `torch.utils.checkpoint`;
   forward keeps only each block's inputs and backward runs the block again.

@@ -1,5 +1,8 @@
 """insert_autocast: run the matmul class in bf16/fp16, keep numerically sensitive ops in float32.
 
+Contract: requires regions | provides autocast | after swap_fp8
+    | numerics approx(rtol=0.02, atol=0.02) | options AutocastOptions
+
 Three forms, one per kind of code, so that every part of the model honours the target:
 
 - Graph form (captured regions). Each matmul-class op (autocast_rules.LOWER_OPS: linear, mm,

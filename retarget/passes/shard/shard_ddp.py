@@ -1,5 +1,8 @@
 """shard_ddp (`ddp`, `zero1`): replicate the model, all-reduce gradients in buckets (DDP).
 
+Contract: requires regions | provides ddp | after swap_fp8, insert_autocast, checkpoint_blocks
+    | numerics exact | options DdpOptions
+
 The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
 `program.plan["ddp"]`, holds DDP's settings (the `ddp[...]` options) and the gradient buckets

@@ -1,5 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
+Contract: requires regions | provides fsdp | after swap_fp8, insert_autocast, checkpoint_blocks
+    | numerics exact | options FsdpOptions
+
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
 BasicBlock of a ResNet stage) is one `fully_shard` unit, and the root is the last unit, holding
 everything else (embeddings, heads, norms). With `capture="whole"` the root's one graph reads

@@ -1,4 +1,6 @@
-"""zero1: shard the optimizer state over the ranks on top of DDP (ZeRO stage 1).
+"""shard_optimizer_state (`zero1`): shard the optimizer state over the DDP ranks (ZeRO stage 1).
+
+Contract: requires ddp | provides zero1 | after - | numerics exact | options NoOptions
 
 Parameters and gradients stay replicated (shard_ddp); each rank keeps the optimizer state (Adam's
 two moments, ...) of its share of the parameters only, steps that share, and broadcasts the
