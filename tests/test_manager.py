@@ -1,4 +1,4 @@
-"""PassManager: ordering from declarations, disabling, verification, failure messages."""
+"""PassManager: the order check, provides checks, disabling, verification, failure messages."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.capture.capture_regions import CaptureRegions
-from retarget.passes.manager import PassManager, order_passes
+from retarget.passes.manager import PassManager, check_order
 from retarget.target.grammar import parse_target
 
 
-def make(name, requires=(), provides=(), run=None, numerics=None):
+def make(name, requires=(), provides=(), run=None, numerics=None, after=()):
     attrs = {"name": name, "summary": name, "requires": tuple(requires), "provides": provides}
+    attrs["after"] = tuple(after)
     if numerics is not None:
         attrs["numerics"] = numerics
     attrs["run"] = run or (lambda self, program: PassResult(changed=False))
@@ -47,19 +48,86 @@ class Stack(nn.Module):
         return x
 
 
-def test_order_follows_requirements_and_keeps_given_order_otherwise():
-    passes = [make("c", requires=["fact_b"]), make("b", provides=("fact_b",)), make("a"), make("d")]
-    assert [p.name for p in order_passes(passes)] == ["b", "c", "a", "d"]
+def recorder(ran, also=None):
+    """A run() that appends the pass name to `ran` (after `also(program)`, when given)."""
+
+    def run(self, program):
+        if also is not None:
+            also(program)
+        ran.append(self.name)
+        return PassResult(changed=False)
+
+    return run
+
+
+def plan_ddp(program):
+    program.plan["ddp"] = {"world_size": 1}
+
+
+def test_a_correct_list_runs_in_exactly_the_given_order():
+    ran = []
+    passes = [
+        make("d", run=recorder(ran)),
+        make("b", provides=("ddp",), run=recorder(ran, plan_ddp)),
+        make("c", requires=["ddp"], after=["b"], run=recorder(ran)),
+        make("a", run=recorder(ran)),
+    ]
+    manager = PassManager(passes)
+    assert manager.passes == passes
+    manager.run(program_for(nn.Linear(2, 2)))
+    assert ran == ["d", "b", "c", "a"]
+
+
+def test_a_requirement_provided_later_is_refused_naming_both_passes_and_the_token():
+    passes = [make("c", requires=["ddp"]), make("b", provides=("ddp",)), make("a")]
+    with pytest.raises(
+        PassOrderError, match=r"pass 'c' requires 'ddp', which runs after it \(provided by 'b'\)"
+    ):
+        check_order(passes)
+    with pytest.raises(PassOrderError, match="pass 'c' requires 'ddp', which runs after it"):
+        PassManager(passes)
 
 
 def test_missing_requirement_names_both_passes():
     with pytest.raises(PassOrderError, match="pass 'x' requires 'y', which is not in the pipeline"):
-        order_passes([make("x", requires=["y"])])
+        check_order([make("x", requires=["y"])])
 
 
-def test_cycle_is_an_error_naming_the_cycle():
-    with pytest.raises(PassOrderError, match="cycle: (a -> b|b -> a)"):
-        order_passes([make("a", requires=["b"]), make("b", requires=["a"])])
+def test_mutual_requirements_are_refused_at_the_first_pass():
+    with pytest.raises(PassOrderError, match="pass 'a' requires 'b', which runs after it$"):
+        check_order([make("a", requires=["b"]), make("b", requires=["a"])])
+
+
+def test_after_is_enforced_when_both_passes_are_present():
+    check_order([make("x"), make("y", after=["x"])])
+    check_order([make("y", after=["x"])])
+    with pytest.raises(
+        PassOrderError, match="pass 'y' is declared after 'x', which runs after it; put 'x' first"
+    ):
+        check_order([make("y", after=["x"]), make("x")])
+    PassManager([make("y", after=["x"]), make("x")], disable=["x"])
+
+
+def test_duplicate_pass_names_are_refused():
+    with pytest.raises(PassOrderError, match="duplicate pass names"):
+        check_order([make("a"), make("a")])
+
+
+def test_a_provides_token_without_a_fact_check_is_refused():
+    with pytest.raises(
+        PassOrderError, match="pass 'b' provides 'fact_b', which retarget.passes.facts has no check"
+    ):
+        PassManager([make("b", provides=("fact_b",))])
+
+
+def test_a_pass_whose_provides_does_not_hold_is_refused():
+    program = program_for(nn.Linear(2, 2))
+    with pytest.raises(
+        VerificationError,
+        match=r"pass 'fake_ddp' failed \(after: first\): provides 'ddp', which does not hold",
+    ):
+        PassManager([make("first"), make("fake_ddp", provides=("ddp",))]).run(program)
+    assert [record.name for record in program.history] == ["first"]
 
 
 def test_disable_removes_a_pass_and_reports_dependents():
@@ -68,8 +136,12 @@ def test_disable_removes_a_pass_and_reports_dependents():
     passes = [make("a", run=record), make("b", run=record)]
     PassManager(passes, disable=["a"]).run(program_for(nn.Linear(2, 2)))
     assert ran == ["b"]
-    with pytest.raises(PassOrderError, match="requires 'a', which is disabled"):
+    with pytest.raises(PassOrderError, match="requires 'a', which is disabled$"):
         PassManager([make("a"), make("b", requires=["a"])], disable=["a"])
+    with pytest.raises(
+        PassOrderError, match=r"requires 'ddp', which is disabled \(provided by 'a'\)"
+    ):
+        PassManager([make("a", provides=("ddp",)), make("b", requires=["ddp"])], disable=["a"])
 
 
 def test_unknown_disable_name_suggests_the_closest():

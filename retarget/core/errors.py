@@ -24,7 +24,7 @@ class VerificationError(PassError):
 
 
 class PassOrderError(ValueError):
-    """The declared requirements of a pass list cannot be satisfied (missing pass or a cycle)."""
+    """A pass list breaks a declaration: a requirement unmet or met later, an `after` pass later."""
 
 
 class TargetNotSupportedError(NotImplementedError):

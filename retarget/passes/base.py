@@ -1,11 +1,20 @@
 """The pass contract.
 
-A pass declares what it is (`name`, one-line `summary`), what must run before it (`requires`:
-pass names or facts other passes `provides`), how it may change numbers (`numerics`), and its
-options as a frozen keyword-only dataclass. `run(program)` returns a `PassResult`; a pass with
-nothing to do returns `changed=False` and touches nothing. Unsupported patterns raise
-NotImplementedError naming the pass and the module path or node; the PassManager wraps every
-failure in a PassError that also names the passes that ran before.
+A pass declares what it is (`name`, one-line `summary`), what must hold before it runs
+(`requires`: facts an earlier pass `provides`, or an earlier pass's name), what it makes hold
+(`provides`: tokens of passes/facts.py, checked after it runs), which passes it must follow when
+they are present (`after`), how it may change numbers (`numerics`), and its options as a frozen
+keyword-only dataclass. The third line of a pass's module docstring repeats these, machine-read
+by tests/test_pass_contracts.py, which keeps the two equal ("-" is none; the line may wrap onto
+lines starting "    | "):
+
+    Contract: requires regions | provides ddp | after checkpoint_blocks | numerics exact
+        | options DdpOptions
+
+`stage(target, capture)` builds the passes a target asks for; `run(program)` returns a
+`PassResult`; a pass with nothing to do returns `changed=False` and touches nothing. Unsupported
+patterns raise NotImplementedError naming the pass and the module path or node; the PassManager
+wraps every failure in a PassError that also names the passes that ran before.
 
     class CountLinears(Pass):
         name = "count_linears"
@@ -22,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from retarget.ir.program import Program
+    from retarget.target.grammar import Target
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Pass:
     summary: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
     numerics: ClassVar[Numerics] = EXACT
     Options: ClassVar[type] = NoOptions
 
@@ -67,6 +78,15 @@ class Pass:
         self.options = self.Options() if options is None else options
         if not isinstance(self.options, self.Options):
             raise TypeError(f"pass '{self.name}' takes {self.Options.__name__}, got {options!r}")
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The passes of this class that realise `target`, options set; [] when it asks for none.
+
+        `capture` is compile_for's CaptureOptions (capture mode, frontends); only
+        capture_regions reads it. Every stage of passes/pipeline.py is built through this call.
+        """
+        raise NotImplementedError(f"pass '{cls.name}' does not implement stage()")
 
     def run(self, program: Program) -> PassResult:
         raise NotImplementedError(f"pass '{self.name}' does not implement run()")

@@ -1,11 +1,11 @@
-"""PassManager: orders passes from their declarations, runs, times, verifies and records them.
+"""PassManager: checks the order it is given, then runs, times, verifies and records passes.
 
-Ordering: a networkx DAG with an edge from every pass that is named by, or `provides`, a
-requirement of another; the topological order keeps the pipeline's own order where the
-declarations leave a choice. A missing requirement or a cycle is a PassOrderError naming the
-passes. After each pass the manager checks the invariants every pass must keep (each region
-graph lints; state_dict keys are the original's) and, with `verify=True`, that the rewritten
-module still computes what eager computes on the example inputs (bitwise for exact passes, the
+Order is the list's: the manager never reorders. `check_order` refuses (PassOrderError, naming
+both passes and the token) a pass whose `requires` no earlier pass provides, or that is declared
+`after` a pass placed later. After each pass the manager checks that every token it `provides`
+holds on the Program (passes/facts.py), the invariants every pass must keep (each region graph
+lints; state_dict keys are the original's) and, with `verify=True`, that the rewritten module
+still computes what eager computes on the example inputs (bitwise for exact passes, the
 loosest stated tolerance of the passes run so far otherwise).
 """
 
@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterable
 from typing import IO, Any
 
-import networkx as nx
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -25,6 +24,7 @@ from retarget.core.errors import PassError, PassOrderError, VerificationError
 from retarget.frontends.check import first_difference, preserved_state
 from retarget.ir.program import PassRecord, Program
 from retarget.passes.base import Numerics, Pass, PassResult
+from retarget.passes.facts import FACTS
 
 
 class PassManager:
@@ -50,9 +50,8 @@ class PassManager:
         self.print_after = _check_names(set(print_after), names, "print_after")
         self.verify = verify
         self.stream = stream
-        self.passes = order_passes(
-            [p for p in passes if p.name not in self.disabled], self.disabled
-        )
+        self.passes = [p for p in passes if p.name not in self.disabled]
+        check_order(self.passes, [p for p in passes if p.name in self.disabled])
 
     def run(self, program: Program) -> Program:
         keys = program.state_keys()
@@ -71,6 +70,7 @@ class PassManager:
                 raise PassError(pass_.name, ran, f"run() returned {type(result).__name__}")
             ran.append(pass_.name)
             tolerance.append(pass_.numerics)
+            self._check_provides(pass_, ran[:-1], program)
             self._check(pass_.name, ran[:-1], program, keys, reference, tolerance)
             program.history.append(
                 PassRecord(
@@ -86,6 +86,13 @@ class PassManager:
             )
             self._dump(pass_.name, program, "after", self.print_after)
         return program
+
+    def _check_provides(self, pass_: Pass, before: list[str], program: Program) -> None:
+        for token in pass_.provides:
+            fact = FACTS[token]
+            if not fact(program):
+                why = f"provides '{token}', which does not hold: {fact.__doc__}"
+                raise VerificationError(pass_.name, before, why)
 
     def _check(self, name, before, program, keys, reference, tolerance) -> None:
         for region in program.regions:
@@ -112,30 +119,50 @@ class PassManager:
             print(f"# ---- {when} {name}: region {region}\n{code}\n", file=out)
 
 
-def order_passes(passes: list[Pass], disabled: set[str] = frozenset()) -> list[Pass]:
-    """Order passes so every requirement runs first; raise PassOrderError when impossible."""
-    index = {p.name: i for i, p in enumerate(passes)}
-    if len(index) != len(passes):
-        raise PassOrderError(f"duplicate pass names in {[p.name for p in passes]}")
-    providers: dict[str, list[str]] = {}
-    for p in passes:
-        for fact in (p.name, *p.provides):
-            providers.setdefault(fact, []).append(p.name)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(index)
-    for p in passes:
-        for need in p.requires:
-            if need not in providers:
-                why = "is disabled" if need in disabled else "is not in the pipeline"
-                raise PassOrderError(f"pass '{p.name}' requires '{need}', which {why}")
-            graph.add_edges_from((source, p.name) for source in providers[need])
-    try:
-        order = list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
-    except nx.NetworkXUnfeasible:
-        cycle = " -> ".join(edge[0] for edge in nx.find_cycle(graph))
-        raise PassOrderError(f"pass requirements form a cycle: {cycle}") from None
-    by_name = {p.name: p for p in passes}
-    return [by_name[name] for name in order]
+def check_order(passes: list[Pass], disabled: Iterable[Pass] = ()) -> None:
+    """Refuse a pass list that breaks a declaration; the list's own order is never changed.
+
+    Each `requires` token must be provided (or named) by an earlier pass, each `after` name
+    present in the list must come earlier, and each `provides` token must have a check in
+    passes/facts.py. Raises PassOrderError naming both passes and the token.
+    """
+    names = [p.name for p in passes]
+    if len(set(names)) != len(names):
+        raise PassOrderError(f"duplicate pass names in {names}")
+    disabled = list(disabled)
+    for index, pass_ in enumerate(passes):
+        for token in pass_.provides:
+            if token not in FACTS:
+                raise PassOrderError(
+                    f"pass '{pass_.name}' provides '{token}', which retarget.passes.facts "
+                    f"has no check for; add one to FACTS ({', '.join(FACTS)})"
+                )
+        for need in pass_.requires:
+            if not _providers(passes[:index], need):
+                raise PassOrderError(
+                    f"pass '{pass_.name}' requires '{need}', "
+                    + _unmet(need, _providers(passes[index:], need), _providers(disabled, need))
+                )
+        for name in pass_.after:
+            if name in names[index:]:
+                raise PassOrderError(
+                    f"pass '{pass_.name}' is declared after '{name}', which runs after it; "
+                    f"put '{name}' first"
+                )
+
+
+def _providers(passes: Iterable[Pass], token: str) -> list[str]:
+    """Names of the passes that provide `token` or are named by it."""
+    return [p.name for p in passes if token == p.name or token in p.provides]
+
+
+def _unmet(need: str, later: list[str], disabled: list[str]) -> str:
+    """Why no earlier pass provides `need`: a later one does, a disabled one does, or none."""
+    for providers, why in ((later, "runs after it"), (disabled, "is disabled")):
+        if providers:
+            by = "" if providers == [need] else f" (provided by '{providers[0]}')"
+            return f"which {why}{by}"
+    return "which is not in the pipeline"
 
 
 def _check_names(selected: set[str], names: list[str], what: str) -> set[str]:

@@ -1,14 +1,13 @@
-"""Target -> ordered pass list. One line per stage, in the order they run, with why.
+"""Target -> pass list. One line per stage, in the order they run, with why it sits there.
 
-Each stage looks at the target and contributes zero or more passes. The PassManager re-derives
-the order from each pass's `requires`; this list is the default order where the declarations
-leave a choice, and the place to read what a target turns into. A target part that no stage
-handles is refused (TargetNotSupportedError), never silently ignored.
+This list IS the order. Every stage is a pass class whose `stage(target, capture)` builds the
+passes that realise the target parts the line names ([] when the target has none of them). The
+PassManager runs them exactly as listed and refuses (check_order) a list that breaks a pass's
+declared `requires` or `after`, so each reason below is also a declaration it enforces. A
+target part that no stage realises is refused (TargetNotSupportedError), never silently ignored.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.analysis.annotate_shapes import AnnotateShapes
@@ -17,58 +16,53 @@ from retarget.passes.base import Pass
 from retarget.passes.capture.capture_regions import CaptureOptions, CaptureRegions
 from retarget.passes.comm.install_comm_hook import InstallCommHook
 from retarget.passes.memory.checkpoint_blocks import CheckpointBlocks
-from retarget.passes.precision.insert_autocast import autocast_passes
+from retarget.passes.precision.insert_autocast import InsertAutocast
 from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
+from retarget.passes.shard.zero1 import ShardOptimizerState
 from retarget.target.grammar import Target
 
-Stage = Callable[[Target, CaptureOptions], list[Pass]]
-
-#: (parts the stage realises, stage), in pipeline order.
-STAGES: list[tuple[frozenset[str], Stage]] = [
+#: (target parts the stage realises, the pass class that builds it), in run order.
+STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # The tree and the repeated blocks decide what becomes a region.
-    (frozenset(), lambda target, capture: [FindBlocks()]),
-    # One graph per block type, before any graph rewrite.
-    (frozenset(), lambda target, capture: [CaptureRegions(capture)]),
+    (frozenset(), FindBlocks),
+    # One graph per block type, before any graph rewrite (requires blocks).
+    (frozenset(), CaptureRegions),
     # Shapes and FLOPs of the model as given, for the report and for later decisions.
-    (frozenset(), lambda target, capture: [AnnotateShapes()]),
-    # fp8: eligible Linears become FP8 modules. Before autocast (which leaves FP8 Linears alone)
-    # and before sharding (FSDP then shards the swapped modules' Parameters, the original ones).
-    (frozenset({"fp8"}), lambda target, capture: SwapFp8.stage(target)),
-    # bf16/fp16: matmuls in low precision, fp32 islands. After any fp8 swap (fp8 Linears keep
-    # their own precision) and before checkpointing and sharding (they recompute and shard the
-    # casts with the blocks); fp16 also records the loss scaler in the plan.
-    (frozenset({"bf16", "fp16"}), lambda target, capture: autocast_passes(target)),
-    # ac: recompute repeated blocks in backward. After the precision stages (the recompute runs
-    # the blocks as they now compute, casts and fp8 modules included) and before sharding (each
-    # FSDP unit then recomputes inside its own all-gather).
-    (frozenset({"ac"}), lambda target, capture: CheckpointBlocks.stage(target)),
-    # ddp/zero1: replicate, all-reduce gradients in buckets (zero1 also shards optimizer
-    # state). After every pass that changes modules or parameters: DDP registers the final ones.
-    (frozenset({"ddp", "zero1"}), lambda target, capture: ShardDdp.stage(target)),
+    (frozenset(), AnnotateShapes),
+    # fp8: eligible Linears become FP8 modules, decided on the shapes (requires shapes). First
+    # of the rewrites: autocast leaves FP8 Linears alone and FSDP shards the swapped modules'
+    # Parameters (insert_autocast, checkpoint_blocks, shard_* are declared after swap_fp8).
+    (frozenset({"fp8"}), SwapFp8),
+    # bf16/fp16: matmuls in low precision, fp32 islands. Before checkpointing and sharding,
+    # which recompute and shard the casts with the blocks (declared after insert_autocast);
+    # fp16 also records the loss scaler in the plan.
+    (frozenset({"bf16", "fp16"}), InsertAutocast),
+    # ac: recompute repeated blocks in backward, running them as the precision stages left
+    # them; before sharding, so each FSDP unit recomputes inside its own all-gather.
+    (frozenset({"ac"}), CheckpointBlocks),
+    # ddp/zero1: replicate, all-reduce gradients in buckets. After every pass that changes
+    # modules or parameters: DDP registers the final ones.
+    (frozenset({"ddp", "zero1"}), ShardDdp),
+    # zero1: optimizer state sharded over the ranks DDP replicates on (requires ddp).
+    (frozenset({"zero1"}), ShardOptimizerState),
     # fsdp/zero2/zero3/hsdp(+offload): FSDP2 units per repeated block plus the root, mixed
-    # precision policy from bf16/fp16. After fp8 swap (it shards the swapped modules'
-    # parameters) and ac (each unit recomputes inside its own all-gather).
-    (
-        frozenset({"fsdp", "zero2", "zero3", "hsdp", "offload"}),
-        lambda target, capture: ShardFsdp.stage(target),
-    ),
-    # fp16-comm/bf16-comm/powersgd: DDP communication hook, after the DDP wrap that owns it.
-    (
-        frozenset({"fp16-comm", "bf16-comm", "powersgd"}),
-        lambda target, capture: InstallCommHook.stage(target),
-    ),
-    # One process, nothing to distribute: the parts above are the whole pipeline.
-    (frozenset({"single"}), lambda target, capture: []),
-]
+    # precision policy from bf16/fp16. Last rewrite of modules, like ddp, for the same reason.
+    (frozenset({"fsdp", "zero2", "zero3", "hsdp", "offload"}), ShardFsdp),
+    # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
+    (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
+)
+
+#: Parts no pass realises because there is nothing to do: one process, nothing to distribute.
+NOTHING_TO_DO = frozenset({"single"})
 
 
 def build_pipeline(
     target: Target, *, capture: str = "regions", frontends: tuple[str, ...] | None = None
 ) -> list[Pass]:
-    """The passes that realise `target`, in default order; refuses parts no stage handles."""
-    handled = frozenset().union(*(parts for parts, _ in STAGES))
+    """The passes that realise `target`, in run order; refuses parts no stage handles."""
+    handled = NOTHING_TO_DO.union(*(parts for parts, _ in STAGES))
     unsupported = [name for name in target.names if name not in handled]
     if unsupported:
         missing = ", ".join(repr(n) for n in unsupported)
@@ -77,4 +71,4 @@ def build_pipeline(
             f"silently ignoring it (the parts a pass implements: {', '.join(sorted(handled))})"
         )
     options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
-    return [p for _, stage in STAGES for p in stage(target, options)]
+    return [p for _, pass_class in STAGES for p in pass_class.stage(target, options)]

@@ -1,5 +1,7 @@
 """annotate_shapes: shapes, dtypes, parameter counts and FLOPs per region and per Linear/Conv.
 
+Contract: requires regions | provides shapes | after - | numerics exact | options NoOptions
+
 FLOPs are counted, not guessed: one eager forward of the original model on the example inputs
 under torch.utils.flop_counter.FlopCounterMode (no grad; RNG and buffers restored), which
 attributes each matmul/convolution to the module that issued it. Forward hooks on the same run
@@ -33,6 +35,7 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program, describe_tensor
 from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
 
 #: Module types whose FLOPs and shapes are reported one by one.
 COUNTED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -43,6 +46,11 @@ class AnnotateShapes(Pass):
     summary = "shapes, dtypes, parameter counts and FLOPs per region and per Linear/Conv"
     requires = ("regions",)
     provides = ("shapes",)
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """Every target: the report and later decisions read the shapes and FLOPs."""
+        return [cls()]
 
     def run(self, program: Program) -> PassResult:
         watched = _watched_paths(program)

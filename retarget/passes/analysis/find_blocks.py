@@ -1,5 +1,7 @@
 """find_blocks: the module tree as networkx, and its repeated blocks by structural hashing.
 
+Contract: requires - | provides tree, blocks | after - | numerics exact | options FindBlocksOptions
+
 A module's fingerprint hashes its class, its own parameters and buffers (name, shape, dtype,
 requires_grad), its plain scalar attributes and its children's fingerprints. Modules with
 children and parameters whose fingerprint occurs more than once are the repeats of one block;
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 from torch import nn
@@ -19,6 +22,7 @@ from torch import nn
 from retarget.core.modules import original_class
 from retarget.ir.program import BlockGroup, Program
 from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
 
 #: Attributes that name a module's position rather than what it computes.
 POSITION_ATTRIBUTES = frozenset(
@@ -40,6 +44,11 @@ class FindBlocks(Pass):
     summary = "module tree as networkx; repeated blocks by structural hashing"
     provides = ("tree", "blocks")
     Options = FindBlocksOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """Every target: the tree and the repeated blocks decide what becomes a region."""
+        return [cls()]
 
     def run(self, program: Program) -> PassResult:
         fingerprints: dict[int, str] = {}

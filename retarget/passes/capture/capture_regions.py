@@ -1,5 +1,7 @@
 """capture_regions: capture one graph per distinct block type and reuse it for every repeat.
 
+Contract: requires blocks | provides regions | after - | numerics exact | options CaptureOptions
+
 Modes (`compile_for(capture=...)`):
 - "regions" (default): every repeated block found by find_blocks is a region; glue code
   (embeddings, HF wrappers, losses) stays eager. A model without repeated blocks is one region.
@@ -29,6 +31,7 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import ROOT, Program
 from retarget.ir.region import Region, RegionModule, running_eagerly
 from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
 
 MODES = ("regions", "whole", "eager")
 
@@ -54,6 +57,11 @@ class CaptureRegions(Pass):
     requires = ("blocks",)
     provides = ("regions",)
     Options = CaptureOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """Every target, with compile_for's capture mode and frontends (`capture`)."""
+        return [cls(capture)]
 
     def run(self, program: Program) -> PassResult:
         mode = self.options.mode

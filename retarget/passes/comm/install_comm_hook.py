@@ -1,5 +1,8 @@
 """comm_hook (`fp16-comm`, `bf16-comm`, `powersgd[...]`): how DDP's gradient all-reduce is sent.
 
+Contract: requires ddp | provides comm_hook | after - | numerics approx(rtol=0.01, atol=0.001)
+    | options CommHookOptions
+
 - fp16-comm / bf16-comm: each bucket is cast to 16 bits, divided by the world size and
   all-reduced, halving the bytes on the wire (`runtime.comm_hooks.cast_compress_hook`);
   gradients come back rounded to 16 bits, so training is close to, not equal to, float32 all-reduce.
@@ -65,7 +68,7 @@ class InstallCommHook(Pass):
     Options = CommHookOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's comm-hook stage: this pass when the target names a hook."""
         part = next((target.get(n) for n in HOOK_PARTS if n in target), None)
         if part is None:

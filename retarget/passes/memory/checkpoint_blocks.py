@@ -1,5 +1,8 @@
 """checkpoint_blocks (`ac`): recompute repeated blocks in backward instead of keeping activations.
 
+Contract: requires regions | provides ac | after swap_fp8, insert_autocast | numerics exact
+    | options CheckpointOptions
+
 Policies (`ac[...]` options):
 - `full` (default): every repeated block runs under non-reentrant `torch.utils.checkpoint`;
   forward keeps only each block's inputs and backward runs the block again.
@@ -94,10 +97,12 @@ class CheckpointBlocks(Pass):
     summary = "recompute repeated blocks in backward instead of keeping their activations"
     requires = ("regions",)
     provides = ("ac",)
+    # The recompute runs the blocks as they finally compute: casts and fp8 modules included.
+    after = ("swap_fp8", "insert_autocast")
     Options = CheckpointOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pass for the target's `ac` part; [] without one."""
         part = target.get("ac")
         if part is None:

@@ -1,5 +1,8 @@
 """insert_autocast: run the matmul class in bf16/fp16, keep numerically sensitive ops in float32.
 
+Contract: requires regions | provides autocast | after swap_fp8
+    | numerics approx(rtol=0.02, atol=0.02) | options AutocastOptions
+
 Three forms, one per kind of code, so that every part of the model honours the target:
 
 - Graph form (captured regions). Each matmul-class op (autocast_rules.LOWER_OPS: linear, mm,
@@ -102,29 +105,31 @@ class AutocastOptions:
         return LossScalerPlan(**{key: getattr(self, key) for key in SCALER_OPTIONS})
 
 
-def autocast_passes(target: Target) -> list[Pass]:
-    """The insert_autocast pass for the target's bf16 or fp16 part; [] when it has neither.
-
-    `bf16[downcast=true]` is XLA's XLA_DOWNCAST_BF16, which the target only admits beside xla:
-    the xla stage realises it, not this pass.
-    """
-    name = next((n for n in ("bf16", "fp16") if n in target), None)
-    if name is None:
-        return []
-    part = target.get(name)
-    keys = ("keep_fp32", "autocast_eval", *(SCALER_OPTIONS if name == "fp16" else ()))
-    return [InsertAutocast(AutocastOptions(dtype=name, **{key: part.get(key) for key in keys}))]
-
-
 class InsertAutocast(Pass):
     name = "insert_autocast"
     summary = "matmul-class ops in bf16/fp16, float32 islands by table, float32 at region exits"
     requires = ("regions",)
     provides = ("autocast",)
+    # FP8 Linears keep their own precision: the rewrite must see them already swapped.
+    after = ("swap_fp8",)
     # Measured on the zoo at batch 2, train and eval: largest |output(bf16) - output(fp32)| is
     # 6.2e-3 (transformer_encoder); fp16 4.7e-4. The tolerance leaves 3x room.
     numerics = Numerics("approx", rtol=2e-2, atol=2e-2)
     Options = AutocastOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The pass for the target's bf16 or fp16 part; [] when it has neither.
+
+        `bf16[downcast=true]` is XLA's XLA_DOWNCAST_BF16, which the target only admits beside
+        xla: the xla stage realises it, not this pass.
+        """
+        name = next((n for n in ("bf16", "fp16") if n in target), None)
+        if name is None:
+            return []
+        part = target.get(name)
+        keys = ("keep_fp32", "autocast_eval", *(SCALER_OPTIONS if name == "fp16" else ()))
+        return [cls(AutocastOptions(dtype=name, **{key: part.get(key) for key in keys}))]
 
     def run(self, program: Program) -> PassResult:
         policy = LowPrecision(self.options.torch_dtype, self.options.autocast_eval)

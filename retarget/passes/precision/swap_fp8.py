@@ -1,5 +1,8 @@
 """swap_fp8: swap eligible nn.Linear modules for FP8 ones (native, torchao, te or msamp).
 
+Contract: requires regions, shapes | provides fp8 | after - | numerics approx(rtol=0.05, atol=0.08)
+    | options SwapFp8Options
+
 1. Decide per Linear with the eligibility table (`fp8_rules.py`, beside this pass): swapped,
    or the rule that kept it and why. The report lists every Linear (`program.analysis.fp8`).
 2. Pick and check the backend (`retarget.kernels.fp8.backends`) before touching anything.
@@ -129,7 +132,7 @@ class SwapFp8(Pass):
     environment: ClassVar[Environment] = Environment()
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's fp8 stage: this pass when the target has an fp8 part."""
         return [cls(SwapFp8Options.from_target(target))] if "fp8" in target else []
 

@@ -1,5 +1,8 @@
 """shard_ddp (`ddp`, `zero1`): replicate the model, all-reduce gradients in buckets (DDP).
 
+Contract: requires regions | provides ddp | after swap_fp8, insert_autocast, checkpoint_blocks
+    | numerics exact | options DdpOptions
+
 The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
 `program.plan.ddp` (a `DdpPlan`), holds DDP's settings (the `ddp[...]` options) and the
@@ -73,21 +76,15 @@ class ShardDdp(Pass):
     summary = "replicate with DDP: gradients all-reduced in buckets (plan; applied by the runtime)"
     requires = ("regions",)
     provides = ("ddp",)
+    # DDP registers the modules and parameters as every rewriting pass left them.
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
     Options = DdpOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
-        """The pipeline's DDP stage: this pass, plus optimizer-state sharding for zero1."""
-        # zero1.py builds on this module's helpers: imported here, not at the top.
-        from retarget.passes.shard.zero1 import ShardOptimizerState
-
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The pass for the target's ddp or zero1 part (zero1 replicates with DDP); [] without."""
         part = target.get("ddp") or target.get("zero1")
-        if part is None:
-            return []
-        passes: list[Pass] = [cls(DdpOptions(**part.as_dict()))]
-        if part.name == "zero1":
-            passes.append(ShardOptimizerState())
-        return passes
+        return [] if part is None else [cls(DdpOptions(**part.as_dict()))]
 
     def run(self, program: Program) -> PassResult:
         world = program.world

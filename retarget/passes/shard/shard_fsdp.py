@@ -1,5 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
+Contract: requires regions | provides fsdp | after swap_fp8, insert_autocast, checkpoint_blocks
+    | numerics exact | options FsdpOptions
+
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
 BasicBlock of a ResNet stage) is one `fully_shard` unit, and the root is the last unit, holding
 everything else (embeddings, heads, norms). With `capture="whole"` the root's one graph reads
@@ -161,10 +164,13 @@ class ShardFsdp(Pass):
     summary = "FSDP2 units: each repeated block plus the root, sharded over a mesh (plan)"
     requires = ("regions",)
     provides = ("fsdp",)
+    # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
+    # (autocast) inside its own all-gather.
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
     Options = FsdpOptions
 
     @classmethod
-    def stage(cls, target: Target) -> list[Pass]:
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
         """The pipeline's FSDP stage: this pass when the target has a sharded strategy."""
         if not any(n in target for n in FSDP_STRATEGIES):
             return []

@@ -1,4 +1,6 @@
-"""zero1: shard the optimizer state over the ranks on top of DDP (ZeRO stage 1).
+"""shard_optimizer_state (`zero1`): shard the optimizer state over the DDP ranks (ZeRO stage 1).
+
+Contract: requires ddp | provides zero1 | after - | numerics exact | options NoOptions
 
 Parameters and gradients stay replicated (shard_ddp); each rank keeps the optimizer state (Adam's
 two moments, ...) of its share of the parameters only, steps that share, and broadcasts the
@@ -22,6 +24,7 @@ from retarget.core.plans import Zero1Plan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_ddp import trainable_parameters
+from retarget.target.grammar import Target
 
 OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
 
@@ -31,6 +34,11 @@ class ShardOptimizerState(Pass):
     summary = "ZeRO-1: optimizer state sharded over the DDP ranks (applied by runtime.prepare)"
     requires = ("ddp",)
     provides = ("zero1",)
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        """The pass for the target's zero1 part, on top of shard_ddp's replication; [] without."""
+        return [cls()] if "zero1" in target else []
 
     def run(self, program: Program) -> PassResult:
         world = program.world

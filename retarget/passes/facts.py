@@ -1,0 +1,98 @@
+"""What each `provides` token means, as a check on the Program: the one table of them.
+
+After a pass runs, the PassManager checks every token the pass provides with the predicate
+here and raises VerificationError naming the pass and the token when it does not hold. Each
+predicate also holds when the pass legitimately had nothing to do (no repeated blocks, no
+eligible Linear, no matmul to lower): a token says the decision was made and what it decided
+is in place, not that something changed. A new token needs its predicate here first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from retarget.ir.program import Program
+from retarget.ir.region import RegionModule
+from retarget.passes.memory.activation_profile import NONE
+from retarget.passes.memory.checkpoint_blocks import CheckpointedModule
+
+Fact = Callable[[Program], bool]
+
+
+def module_tree_built(p: Program) -> bool:
+    """the module tree has its root node"""
+    return "" in p.tree
+
+
+def blocks_in_tree(p: Program) -> bool:
+    """every repeat of every repeated block is a module of the tree"""
+    return "" in p.tree and all(path in p.tree for g in p.blocks for path in g.paths)
+
+
+def regions_installed(p: Program) -> bool:
+    """regions exist (unless capture is eager) and every repeat of each is a RegionModule"""
+    return (p.capture == "eager" or bool(p.regions)) and all(
+        isinstance(p.submodule(path), RegionModule) for r in p.regions for path in r.paths
+    )
+
+
+def shapes_recorded(p: Program) -> bool:
+    """analysis holds the per-module entries and one entry per region"""
+    return "modules" in p.analysis and {r.name for r in p.regions} == set(
+        p.analysis.get("regions", ())
+    )
+
+
+def autocast_applied(p: Program) -> bool:
+    """every graph of a region that takes the insert_autocast rewrite records it"""
+    rewritten = [r for r in p.regions if "insert_autocast" in dict(r.transforms)]
+    return all("autocast" in g.gm.meta for r in rewritten for g in r.graphs.values())
+
+
+def fp8_decided(p: Program) -> bool:
+    """the fp8 decision for every Linear is recorded in analysis["fp8"]"""
+    return "linears" in p.analysis.get("fp8", {})
+
+
+def checkpoints_installed(p: Program) -> bool:
+    """every repeat the checkpoint plan gives a policy runs under a checkpoint"""
+    plan = p.analysis.get("checkpoint", {}).get("plan", {})
+    return all(
+        isinstance(p.submodule(q), CheckpointedModule) for q, how in plan.items() if how != NONE
+    )
+
+
+def ddp_planned(p: Program) -> bool:
+    """plan["ddp"] holds the DDP record"""
+    return "ddp" in p.plan
+
+
+def zero1_planned(p: Program) -> bool:
+    """plan["zero1"] holds the optimizer-state shares"""
+    return "zero1" in p.plan
+
+
+def fsdp_planned(p: Program) -> bool:
+    """plan["fsdp"] holds the FSDP2 units"""
+    return "fsdp" in p.plan
+
+
+def comm_hook_planned(p: Program) -> bool:
+    """plan["comm_hook"] holds the hook DDP installs"""
+    return "comm_hook" in p.plan
+
+
+#: provides token -> the predicate that must hold once a pass providing it has run.
+FACTS: dict[str, Fact] = {
+    "tree": module_tree_built,
+    "blocks": blocks_in_tree,
+    "regions": regions_installed,
+    "shapes": shapes_recorded,
+    "autocast": autocast_applied,
+    "fp8": fp8_decided,
+    "ac": checkpoints_installed,
+    "ddp": ddp_planned,
+    "zero1": zero1_planned,
+    "fsdp": fsdp_planned,
+    "comm_hook": comm_hook_planned,
+}
