@@ -38,8 +38,8 @@ def regions_installed(p: Program) -> bool:
 
 def shapes_recorded(p: Program) -> bool:
     """analysis holds the per-module entries and one entry per region"""
-    return "modules" in p.analysis and {r.name for r in p.regions} == set(
-        p.analysis.get("regions", ())
+    return p.analysis.modules is not None and {r.name for r in p.regions} == set(
+        p.analysis.regions or ()
     )
 
 
@@ -50,36 +50,36 @@ def autocast_applied(p: Program) -> bool:
 
 
 def fp8_decided(p: Program) -> bool:
-    """the fp8 decision for every Linear is recorded in analysis["fp8"]"""
-    return "linears" in p.analysis.get("fp8", {})
+    """the fp8 decision for every Linear is recorded in analysis.fp8"""
+    return "linears" in (p.analysis.fp8 or {})
 
 
 def checkpoints_installed(p: Program) -> bool:
     """every repeat the checkpoint plan gives a policy runs under a checkpoint"""
-    plan = p.analysis.get("checkpoint", {}).get("plan", {})
+    plan = (p.analysis.checkpoint or {}).get("plan", {})
     return all(
         isinstance(p.submodule(q), CheckpointedModule) for q, how in plan.items() if how != NONE
     )
 
 
 def ddp_planned(p: Program) -> bool:
-    """plan["ddp"] holds the DDP record"""
-    return "ddp" in p.plan
+    """plan.ddp holds the DDP record"""
+    return p.plan.ddp is not None
 
 
 def zero1_planned(p: Program) -> bool:
-    """plan["zero1"] holds the optimizer-state shares"""
-    return "zero1" in p.plan
+    """plan.zero1 holds the optimizer-state shares"""
+    return p.plan.zero1 is not None
 
 
 def fsdp_planned(p: Program) -> bool:
-    """plan["fsdp"] holds the FSDP2 units"""
-    return "fsdp" in p.plan
+    """plan.fsdp holds the FSDP2 units"""
+    return p.plan.fsdp is not None
 
 
 def comm_hook_planned(p: Program) -> bool:
-    """plan["comm_hook"] holds the hook DDP installs"""
-    return "comm_hook" in p.plan
+    """plan.comm_hook holds the hook DDP installs"""
+    return p.plan.comm_hook is not None
 
 
 #: provides token -> the predicate that must hold once a pass providing it has run.
