@@ -12,6 +12,7 @@ from torch import nn
 import retarget
 from retarget.core.errors import PassError, PassOrderError, VerificationError
 from retarget.core.modules import structural_copy, with_mixin
+from retarget.core.plans import DdpPlan
 from retarget.core.slots import PROGRAM
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.analysis.find_blocks import FindBlocks
@@ -61,7 +62,9 @@ def recorder(ran, also=None):
 
 
 def plan_ddp(program):
-    program.plan["ddp"] = {"world_size": 1}
+    program.plan.ddp = DdpPlan(
+        strategy="ddp", world=program.world, options={}, parameters=0, buckets=()
+    )
 
 
 def test_a_correct_list_runs_in_exactly_the_given_order():
