@@ -28,15 +28,16 @@ _LAZY_NAMES = {
         (
             "AORecipeKwargs",
             "AutocastKwargs",
-            "DistributedDataParallelKwargs",
             "FP8RecipeKwargs",
             "GradScalerKwargs",
-            "InitProcessGroupKwargs",
             "MSAMPRecipeKwargs",
-            "ProfileKwargs",
             "TERecipeKwargs",
         ),
-        "retarget.accelerate.kwargs_handlers",
+        "retarget.accelerate.precision_kwargs",
+    ),
+    **dict.fromkeys(
+        ("DistributedDataParallelKwargs", "InitProcessGroupKwargs", "ProfileKwargs"),
+        "retarget.accelerate.process_kwargs",
     ),
     "ProjectConfiguration": "retarget.accelerate.arguments",
 }

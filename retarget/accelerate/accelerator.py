@@ -45,16 +45,13 @@ from retarget.accelerate.arguments import (
     with_dynamo,
 )
 from retarget.accelerate.example_inputs import example_inputs_for
-from retarget.accelerate.kwargs_handlers import (
-    AutocastKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-    collect_handlers,
-)
+from retarget.accelerate.kwargs_handlers import collect_handlers
+from retarget.accelerate.precision_kwargs import AutocastKwargs
+from retarget.accelerate.process_kwargs import InitProcessGroupKwargs, ProfileKwargs
 from retarget.accelerate.scheduler import PreparedScheduler
 from retarget.accelerate.state_methods import StateMethods
 from retarget.accelerate.target_choice import resolve_target
-from retarget.accelerate.trackers import TrackerSet
+from retarget.accelerate.tracker_set import TrackerSet
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.runtime import collectives

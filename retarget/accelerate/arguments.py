@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from retarget.accelerate.kwargs_handlers import KwargsHandlerError
+from retarget.accelerate.kwargs_base import KwargsHandlerError
 from retarget.runtime.state.checkpoint import ProjectConfig
 from retarget.target.grammar import Target
 from retarget.target.strategies import FSDP_STRATEGIES

@@ -23,12 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retarget.accelerate.kwargs_handlers import (
-    FP8_RECIPES,
-    KwargsHandler,
-    KwargsHandlerError,
-    TargetDraft,
-)
+from retarget.accelerate.kwargs_base import KwargsHandler, KwargsHandlerError, TargetDraft
+from retarget.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.grammar import Target, TargetError, parse_target
