@@ -17,8 +17,10 @@ from retarget.driver.compiled import CompiledModule
 from retarget.passes.base import Pass, PassResult
 from retarget.target.grammar import Target, TargetError, parse_target
 
-#: The Accelerate-compatible front door, imported on first use (it pulls in the whole runtime).
-_ACCELERATOR_NAMES = {
+#: Names imported on first use: the Accelerate-compatible front door pulls in the whole runtime,
+#: and reading Accelerate's config YAML needs PyYAML.
+_LAZY_NAMES = {
+    "target_from_yaml": "retarget.target.accelerate_yaml",
     "Accelerator": "retarget.accelerate.accelerator",
     "DistributedType": "retarget.accelerate.arguments",
     "GeneralTracker": "retarget.accelerate.trackers",
@@ -26,30 +28,31 @@ _ACCELERATOR_NAMES = {
         (
             "AORecipeKwargs",
             "AutocastKwargs",
-            "DistributedDataParallelKwargs",
             "FP8RecipeKwargs",
             "GradScalerKwargs",
-            "InitProcessGroupKwargs",
             "MSAMPRecipeKwargs",
-            "ProfileKwargs",
             "TERecipeKwargs",
         ),
-        "retarget.accelerate.kwargs_handlers",
+        "retarget.accelerate.precision_kwargs",
+    ),
+    **dict.fromkeys(
+        ("DistributedDataParallelKwargs", "InitProcessGroupKwargs", "ProfileKwargs"),
+        "retarget.accelerate.process_kwargs",
     ),
     "ProjectConfiguration": "retarget.accelerate.arguments",
 }
 
 
 def __getattr__(name: str):
-    if name in _ACCELERATOR_NAMES:
+    if name in _LAZY_NAMES:
         import importlib
 
-        return getattr(importlib.import_module(_ACCELERATOR_NAMES[name]), name)
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module 'retarget' has no attribute {name!r}")
 
 
 __all__ = [
-    *_ACCELERATOR_NAMES,
+    *_LAZY_NAMES,
     "CompiledModule",
     "Pass",
     "PassError",

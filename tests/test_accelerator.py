@@ -29,7 +29,7 @@ from retarget import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from retarget.accelerate.kwargs_handlers import KwargsHandlerError
+from retarget.accelerate.kwargs_base import KwargsHandlerError
 from retarget.runtime.state.checkpoint import NotCheckpointableError
 from retarget.runtime.state.folder import CheckpointError
 from tests.zoo import bert_inputs, tiny_bert

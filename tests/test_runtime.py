@@ -34,6 +34,11 @@ def test_runtime_is_the_compiled_models_and_answers_who_and_where(capsys):
     with run.split_between_processes([1, 2, 3]) as share:
         assert share == [1, 2, 3]
     assert run.on_main_process(lambda: 7)() == 7
+    # Accelerate's names are the same facts (ProcessStateFacade, shared with the Accelerator).
+    assert (run.process_index, run.num_processes, run.local_process_index) == (0, 1, 0)
+    assert run.use_distributed is False
+    assert run.on_process(lambda: 8, process_index=0)() == 8
+    assert run.on_local_process(lambda: 9, local_process_index=1)() is None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         run.nope  # noqa: B018
     tensor = torch.arange(3)
@@ -59,6 +64,22 @@ def test_prepare_remaps_shards_and_passes_schedulers_through():
     assert run.prepare(optimizer) is optimizer
     with pytest.raises(ValueError, match="not the model this runtime belongs to"):
         run.prepare(_mlp())
+
+
+def test_prepare_refuses_what_it_cannot_prepare():
+    model = retarget.compile_for(_mlp(), "single", example_inputs=torch.randn(2, 8))
+    with pytest.raises(TypeError, match="argument 1 is a str; prepare takes models"):
+        model.runtime.prepare(model, "weights.pt")
+
+
+def test_fp16_scheduler_stays_on_the_optimizer_it_was_built_on():
+    # ScaledOptimizer shares the param groups: torch's step-order check needs the plain one.
+    model = retarget.compile_for(_mlp(), "fp16", example_inputs=torch.randn(2, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    prepared, same_scheduler = model.runtime.prepare(optimizer, scheduler)
+    assert isinstance(prepared, ScaledOptimizer) and same_scheduler is scheduler
+    assert scheduler.optimizer is optimizer
 
 
 def test_fp16_needs_a_prepared_optimizer_which_skips_inf_steps():

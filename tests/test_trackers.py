@@ -8,13 +8,8 @@ import json
 import pytest
 import torch
 
-from retarget.accelerate.trackers import (
-    GeneralTracker,
-    JSONLinesTracker,
-    TensorBoardTracker,
-    TrackerSet,
-    resolve_log_with,
-)
+from retarget.accelerate.tracker_set import TrackerSet, resolve_log_with
+from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
 
 class ListTracker(GeneralTracker):

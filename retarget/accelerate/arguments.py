@@ -2,7 +2,7 @@
 
 Accelerate takes many constructor arguments; each one here is mapped (gradient accumulation,
 data sharding, the project folders, dynamo_backend -> the compile part), or refused when it
-asks for something retarget does not do. `kind_of` says what `prepare` was given.
+asks for something retarget does not do.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
 
-from retarget.accelerate.kwargs_handlers import KwargsHandlerError
+from retarget.accelerate.kwargs_base import KwargsHandlerError
 from retarget.runtime.state.checkpoint import ProjectConfig
 from retarget.target.grammar import Target
 from retarget.target.strategies import FSDP_STRATEGIES
@@ -209,21 +207,3 @@ def project_configuration(project_dir: Any, config: Any) -> ProjectConfiguration
         fields["project_dir"] = str(project_dir)
         fields["logging_dir"] = fields["logging_dir"] or str(project_dir)
     return ProjectConfiguration(**fields)
-
-
-def kind_of(obj: Any, index: int) -> str:
-    """What `prepare` does with its `index`-th argument: model, optimizer, dataloader, scheduler."""
-    if isinstance(obj, nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, DataLoader):
-        return "dataloader"
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer")
-    ):
-        return "scheduler"
-    raise TypeError(
-        f"prepare: argument {index} is a {type(obj).__name__}; prepare takes models, "
-        "optimizers, torch DataLoaders and LR schedulers"
-    )

@@ -1,13 +1,14 @@
 """Which Target an Accelerator trains for, from its arguments, the launch, and the world size.
 
 In order, the distribution comes from: `target=`; else `fsdp_plugin=` / `deepspeed_plugin=`
-(mapped by accelerate_config's fsdp_config / deepspeed_config tables, the same ones that read
-Accelerate's YAML); else `$RETARGET_TARGET` (set by `retarget launch`); else `ddp` for more
-than one process and `single` for one. Precision: `mixed_precision=` replaces the precision
-parts of a launched target (as Accelerate's argument overrides its launch config) and must
-agree with an explicit `target=`; FP8 recipe handlers set the fp8 options. Then the other
-kwargs handlers (DDP, GradScaler) set their options. Nothing is dropped: a plugin field, a
-handler field or a combination the target cannot express raises, naming the field.
+(mapped by the fsdp_config / deepspeed_config tables of target/accelerate_sections.py, the
+same ones that read Accelerate's YAML); else `$RETARGET_TARGET` (set by `retarget launch`);
+else `ddp` for more than one process and `single` for one. Precision: `mixed_precision=`
+replaces the precision parts of a launched target (as Accelerate's argument overrides its
+launch config) and must agree with an explicit `target=`; FP8 recipe handlers set the fp8
+options. Then the other kwargs handlers (DDP, GradScaler) set their options. Nothing is
+dropped: a plugin field, a handler field or a combination the target cannot express
+raises, naming the field.
 
     >>> resolve_target(target=None, mixed_precision="bf16", world_size=2)   # not launched
     Resolution(target=Target('ddp+bf16'), origin='default for 2 processes', ...)
@@ -22,14 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retarget.accelerate.kwargs_handlers import (
-    FP8_RECIPES,
-    KwargsHandler,
-    KwargsHandlerError,
-    TargetDraft,
-)
+from retarget.accelerate.kwargs_base import KwargsHandler, KwargsHandlerError, TargetDraft
+from retarget.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
-from retarget.target import accelerate_yaml as _accelerate
+from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.grammar import Target, TargetError, parse_target
 from retarget.target.precisions import PRECISION_PARTS, precision_of
 
@@ -210,14 +207,9 @@ def _plugin_section(
 
 
 def _read(data: dict[str, Any], renames: Mapping[str, str]) -> Target:
-    """An Accelerate config mapping through accelerate_config's tables (messages renamed)."""
-    # accelerate_config reads files; its section readers take the mapping directly.
-    file = _accelerate._File(data, "Accelerator")
-    parts: dict[str, dict[str, Any]] = {}
+    """An Accelerate config mapping read as a config file is (messages name the argument)."""
     try:
-        _accelerate._read_distribution(file, parts)
-        _accelerate._read_precision(file, parts)
-        return Target.from_dict(parts)
+        return read_target_sections(data, "Accelerator")
     except TargetError as err:
         message = str(err)
         for key in sorted(renames, key=len, reverse=True):

@@ -13,6 +13,7 @@ absolute time compared across runs), as bench/README.md explains.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from retarget.cli.commands import CliError, Handler, command
 
 BEGIN = "<!-- retarget bench table: begin -->"
 END = "<!-- retarget bench table: end -->"
@@ -282,3 +285,37 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+@command("bench", "run the benchmark suite (bench/) and print its ratios as one table")
+def bench_arguments(parser: argparse.ArgumentParser) -> Handler:
+    """`retarget bench [--quick] [SUITE ...] [--write-readme] [--plot PNG] [--no-run]`."""
+    parser.add_argument("suites", nargs="*", metavar="SUITE", help=", ".join(SUITES))
+    parser.add_argument("--quick", action="store_true", help="a small subset, fewer rounds")
+    parser.add_argument(
+        "--no-run", action="store_true", help="only read and show the figures last written"
+    )
+    parser.add_argument(
+        "--write-readme", action="store_true", help="write the table into bench/README.md"
+    )
+    parser.add_argument("--plot", metavar="PNG", help="plot the ratios (needs matplotlib)")
+
+    def handle(args: argparse.Namespace) -> int:
+        try:
+            where = bench_dir()
+            suites = select(args.suites, args.quick)
+            status = {} if args.no_run else run_suites(suites, quick=args.quick, bench=where)
+            # Every suite's last figures: running one suite refreshes its rows, not the table.
+            rows = collect(list(SUITES.values()), where)
+            print(table(rows))
+            if args.write_readme:
+                write_readme(rows, where / "README.md")
+                print(f"wrote the table into {where / 'README.md'}")
+            if args.plot:
+                plot(rows, Path(args.plot))
+                print(f"wrote {args.plot}")
+        except BenchError as exc:
+            raise CliError(str(exc)) from None
+        return 0 if all(v == "ok" or v.startswith("skipped") for v in status.values()) else 1
+
+    return handle

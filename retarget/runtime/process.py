@@ -186,6 +186,112 @@ class ProcessState:
         yield _split(inputs, self.rank, self.world_size, apply_padding)
 
 
+class ProcessStateFacade:
+    """Who-am-I properties and main-process helpers read from `self.state`, a ProcessState.
+
+    The one definition the facades in front of a ProcessState share (Runtime, Accelerator).
+    Accelerate's names are aliases: `process_index` is `rank`, `num_processes` `world_size`,
+    `local_process_index` `local_rank`, `use_distributed` `distributed`.
+    """
+
+    state: ProcessState
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.state.rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes over all machines."""
+        return self.state.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine."""
+        return self.state.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on."""
+        return self.state.device
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there is more than one process."""
+        return self.state.distributed
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 of its machine."""
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the last global rank."""
+        return self.state.is_last_process
+
+    process_index = rank
+    num_processes = world_size
+    local_process_index = local_rank
+    use_distributed = distributed
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the local main process only."""
+        self.state.print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """Barrier across all processes (no-op in a world of one)."""
+        self.state.wait_for_everyone()
+
+    def on_main_process(self, fn: F) -> F:
+        """Decorator: run `fn` on rank 0 only (others return None)."""
+        return self.state.on_main_process(fn)
+
+    def on_local_main_process(self, fn: F) -> F:
+        """Decorator: run `fn` on local rank 0 of each machine only."""
+        return self.state.on_local_main_process(fn)
+
+    def on_last_process(self, fn: F) -> F:
+        """Decorator: run `fn` on the last global rank only."""
+        return self.state.on_process(self.state.world_size - 1)(fn)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """`@on_process(process_index=1)` or `on_process(fn, process_index=1)` (Accelerate's)."""
+        if process_index is None:
+            raise TypeError("on_process needs process_index=")
+        decorate = self.state.on_process(process_index)
+        return decorate if function is None else decorate(function)
+
+    def on_local_process(
+        self, function: F | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """`@on_local_process(local_process_index=1)` or with the function first."""
+        if local_process_index is None:
+            raise TypeError("on_local_process needs local_process_index=")
+        decorate = self.state.on_local_process(local_process_index)
+        return decorate if function is None else decorate(function)
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Rank 0 runs the body first; the others run it after rank 0 has finished."""
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Local rank 0 of each machine runs the body first."""
+        return self.state.local_main_process_first()
+
+    def split_between_processes(
+        self, inputs: Sequence[Any] | dict[str, Any] | torch.Tensor, apply_padding: bool = False
+    ) -> contextlib.AbstractContextManager[Any]:
+        """This rank's contiguous share of `inputs` (see ProcessState.split_between_processes)."""
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+
+
 def end_process_group() -> None:
     """Free what still holds the process group, then destroy it (no-op without a group).
 

@@ -45,7 +45,7 @@ held gradients back. Clipping on a non-final micro-step does nothing and returns
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from retarget.runtime.optimizers import (
     remap_parameters,
     zero_redundancy,
 )
-from retarget.runtime.process import ProcessState
+from retarget.runtime.process import ProcessState, ProcessStateFacade
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.runtime.step import (
     HeldGradients,
@@ -73,21 +73,8 @@ from retarget.runtime.step import (
     window_for,
 )
 
-#: ProcessState helpers a Runtime offers as its own.
-_STATE_HELPERS = (
-    "print",
-    "wait_for_everyone",
-    "on_main_process",
-    "on_local_main_process",
-    "on_process",
-    "on_local_process",
-    "main_process_first",
-    "local_main_process_first",
-    "split_between_processes",
-)
 
-
-class Runtime:
+class Runtime(ProcessStateFacade):
     """Training-loop helpers bound to one compiled model; get it as `compiled.runtime`."""
 
     def __init__(self, model: nn.Module):
@@ -111,49 +98,12 @@ class Runtime:
         self._optimizers: list[Optimizer] = []
         self._prepared: list[tuple[Optimizer, Optimizer]] = []
 
-    # -- who -------------------------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self.state.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.state.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.state.local_rank
-
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def distributed(self) -> bool:
-        return self.state.distributed
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
+    # -- who: rank, world_size, device, is_main_process, ... (ProcessStateFacade) -----------
 
     @property
     def guard(self) -> StepGuard | None:
         """The optimizer step guard compile_for installed, if the target needs one."""
         return guard_of(self.model)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _STATE_HELPERS:
-            return getattr(self.state, name)
-        raise AttributeError(f"'Runtime' object has no attribute {name!r}")
 
     # -- data and collectives --------------------------------------------------------------
 
@@ -201,23 +151,31 @@ class Runtime:
     def prepare(self, *objects: Any) -> Any:
         """Optimizers, DataLoaders, LR schedulers (and the model itself), ready for the target.
 
-        Returns them in the order given (one object alone, not a tuple). Schedulers are re-bound
-        to the optimizer their optimizer was prepared into.
+        Returns them in the order given (one object alone, not a tuple); see `prepare_in_order`
+        for the order they are prepared in and `bind_scheduler` for schedulers.
         """
-        replaced: dict[int, Any] = {}
-        result = list(objects)
-        for i, obj in enumerate(objects):
-            if isinstance(obj, Optimizer):
-                result[i] = replaced[id(obj)] = self.prepare_optimizer(obj)
-            elif isinstance(obj, DataLoader):
-                result[i] = self.shard(obj)
-            elif isinstance(obj, nn.Module):
-                result[i] = self._own_model(obj)
-        for obj in objects:
-            bound = getattr(obj, "optimizer", None)
-            if _is_scheduler(obj) and id(bound) in replaced:
-                obj.optimizer = replaced[id(bound)]
-        return result[0] if len(result) == 1 else tuple(result)
+        return prepare_in_order(
+            objects,
+            {
+                "model": self._own_model,
+                "dataloader": self.shard,
+                "optimizer": self.prepare_optimizer,
+                "scheduler": self.bind_scheduler,
+            },
+        )
+
+    def bind_scheduler(self, scheduler: Any) -> Any:
+        """Point `scheduler` at the optimizer its optimizer was prepared into here, when that
+        one has its own param groups (zero1's ZeroRedundancyOptimizer); returns the scheduler.
+
+        fp16's ScaledOptimizer shares the param groups, so a scheduler stays on the plain
+        optimizer, where torch's check that the optimizer stepped before the scheduler works.
+        """
+        given = getattr(scheduler, "optimizer", None)
+        for original, prepared in self._prepared:
+            if given is original and prepared.param_groups is not given.param_groups:
+                scheduler.optimizer = prepared
+        return scheduler
 
     def prepare_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Remap parameters; zero1: ZeroRedundancyOptimizer; fp16: ScaledOptimizer.
@@ -354,5 +312,36 @@ def _tensors(parameters: Any) -> list[torch.Tensor]:
     return list(parameters)
 
 
-def _is_scheduler(obj: Any) -> bool:
-    return hasattr(obj, "optimizer") and hasattr(obj, "step") and not isinstance(obj, Optimizer)
+#: The order `prepare` goes in: models first (an optimizer follows its compiled model),
+#: schedulers last (a scheduler follows its prepared optimizer).
+PREPARE_ORDER = (("model",), ("dataloader", "optimizer"), ("scheduler",))
+
+
+def prepare_kind(obj: Any, index: int) -> str:
+    """What `prepare` does with its `index`-th argument: model, optimizer, dataloader, scheduler."""
+    if isinstance(obj, nn.Module):
+        return "model"
+    if isinstance(obj, Optimizer):
+        return "optimizer"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer")
+    ):
+        return "scheduler"
+    raise TypeError(
+        f"prepare: argument {index} is a {type(obj).__name__}; prepare takes models, "
+        "optimizers, torch DataLoaders and LR schedulers"
+    )
+
+
+def prepare_in_order(objects: tuple[Any, ...], prepare_one: Mapping[str, Callable]) -> Any:
+    """`objects` prepared by `prepare_one[kind]` in PREPARE_ORDER, returned in the order given
+    (one object alone, not a tuple). The one `prepare` of Runtime and Accelerator."""
+    kinds = [prepare_kind(obj, i) for i, obj in enumerate(objects)]
+    result = list(objects)
+    for stage in PREPARE_ORDER:
+        for i, kind in enumerate(kinds):
+            if kind in stage:
+                result[i] = prepare_one[kind](objects[i])
+    return result[0] if len(result) == 1 else tuple(result)

@@ -25,35 +25,27 @@ Examples: ``"ddp+bf16"``, ``"fsdp[reshard=false]+fp8[backend=te,amax_history=102
 Every user mistake raises :class:`TargetError` naming the part and the fix, e.g.
 ``parse_target("fsdpp+bf16")`` -> ``unknown target part 'fsdpp' in 'fsdpp+bf16'; did you mean
 'fsdp'?``. The same Target comes from Python (``Target.from_dict``) or from an Accelerate config
-YAML (``Target.from_yaml``, mapped in ``retarget/target/accelerate_yaml.py``).
+YAML (``retarget.target_from_yaml``, in ``retarget/target/accelerate_yaml.py``). The rules
+between parts live in ``rules.py``, the part table in ``schema.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import combinations
 from typing import Any
 
-from retarget.target.schema import (  # noqa: F401  (Option, PartSchema are re-exported)
-    _CONFLICTS,
-    _IMPLIED,
-    _NAME_HINTS,
-    _NEEDS_ONE_OF,
-    _ONLY_WITH,
-    _OPTION_NEEDS_PART,
-    _OPTION_RULES,
-    _ORDER,
-    PARTS,
-    Option,
-    PartSchema,
-    _format_option,
-    _format_value,
-    _in,
-    _suggest,
+from retarget.target.errors import TargetError, in_where, suggest
+from retarget.target.options import Option, format_option, format_value
+from retarget.target.rules import (
+    NAME_HINTS,
+    check_conflicts,
+    check_option_rules,
+    effective_option,
+    option_default,
 )
+from retarget.target.schema import PART_ORDER, PARTS, PartSchema
 from retarget.target.strategies import STRATEGIES
 
 __all__ = [
@@ -68,25 +60,6 @@ __all__ = [
 ]
 
 
-class TargetError(ValueError):
-    """A target spec or config the user wrote is invalid; ``part`` names the offending part."""
-
-    def __init__(self, message: str, part: str | None = None) -> None:
-        super().__init__(message)
-        self.part = part
-
-
-def _default(name: str, key: str, values: Mapping[str, Any]) -> Any:
-    implied = _IMPLIED.get((name, key))
-    if implied and values.get(implied[0]) is not None:
-        return implied[1]
-    return PARTS[name].options[key].default
-
-
-def _effective(name: str, key: str, values: Mapping[str, Any]) -> Any:
-    return values[key] if key in values else _default(name, key, values)
-
-
 def _coerce_option(name: str, key: str, raw: Any, where: str | None) -> Any:
     opt = PARTS[name].options[key]
     if raw is None and opt.default is None:
@@ -94,9 +67,10 @@ def _coerce_option(name: str, key: str, raw: Any, where: str | None) -> Any:
     try:
         return opt.coerce(raw)
     except ValueError as err:
-        shown = raw if isinstance(raw, str) else _format_value(raw)
+        shown = raw if isinstance(raw, str) else format_value(raw)
         raise TargetError(
-            f"bad value {shown!r} for option {key!r} of '{name}'{_in(where)}: {err}", part=where
+            f"bad value {shown!r} for option {key!r} of '{name}'{in_where(where)}: {err}",
+            part=where,
         ) from None
 
 
@@ -108,33 +82,14 @@ def _normalize(name: str, items: Iterable[Any], where: str | None) -> tuple[tupl
             raise TargetError(f"options of '{name}' must be (key, value) pairs, got {item!r}", name)
         key = item[0].strip().lower()
         if key not in schema:
-            takes = _suggest(key, schema) if schema else f"; '{name}' takes no options"
-            raise TargetError(f"unknown option {key!r} for '{name}'{_in(where)}{takes}", where)
+            takes = suggest(key, schema) if schema else f"; '{name}' takes no options"
+            raise TargetError(f"unknown option {key!r} for '{name}'{in_where(where)}{takes}", where)
         if key in values:
-            raise TargetError(f"option {key!r} is given twice{_in(where)}; keep one", where)
+            raise TargetError(f"option {key!r} is given twice{in_where(where)}; keep one", where)
         values[key] = _coerce_option(name, key, item[1], where)
-    explicit = {k: v for k, v in values.items() if v != _default(name, k, values)}
-    _check_option_rules(name, explicit, where or name)
+    explicit = {k: v for k, v in values.items() if v != option_default(name, k, values)}
+    check_option_rules(name, explicit, where or name)
     return tuple(sorted(explicit.items()))
-
-
-def _holds(name: str, key: str, values: Any, explicit: Mapping[str, Any]) -> bool:
-    """Whether option ``key`` is set (values None) or has one of ``values``."""
-    return key in explicit if values is None else _effective(name, key, explicit) in values
-
-
-def _check_option_rules(name: str, explicit: Mapping[str, Any], where: str) -> None:
-    for part, key, when, need_key, allowed, why in _OPTION_RULES:
-        if part != name or not _holds(name, key, when, explicit):
-            continue
-        if _holds(name, need_key, allowed, explicit):
-            continue
-        got = _effective(name, need_key, explicit)
-        opts = PARTS[name].options
-        given = f"{key}={_format_option(opts[key], _effective(name, key, explicit))}"
-        need = need_key if allowed is None else f"{need_key}={_format_value(allowed)}"
-        now = "is not set" if allowed is None else f"is {_format_option(opts[need_key], got)}"
-        raise TargetError(f"{given} in {where!r} needs {need}, but {need_key} {now}: {why}", where)
 
 
 def _check_name(name: Any, spec: str | None) -> str:
@@ -142,8 +97,8 @@ def _check_name(name: Any, spec: str | None) -> str:
         raise TypeError(f"a part name must be a str, got {type(name).__name__}")
     word = name.strip().lower()
     if word not in PARTS:
-        hint = _suggest(word, PARTS, _NAME_HINTS)
-        raise TargetError(f"unknown target part {word!r}{_in(spec)}{hint}", part=word)
+        hint = suggest(word, PARTS, NAME_HINTS)
+        raise TargetError(f"unknown target part {word!r}{in_where(spec)}{hint}", part=word)
     return word
 
 
@@ -170,8 +125,8 @@ class Part:
     def get(self, key: str) -> Any:
         """Option ``key`` as set, or its default: ``Part("ac").get("every") == 1``."""
         if key not in PARTS[self.name].options:
-            raise KeyError(f"'{self.name}' has no option {key!r}{_suggest(key, self._schema)}")
-        return _effective(self.name, key, dict(self.options))
+            raise KeyError(f"'{self.name}' has no option {key!r}{suggest(key, self._schema)}")
+        return effective_option(self.name, key, dict(self.options))
 
     def as_dict(self) -> dict[str, Any]:
         """Every option of this part with defaults filled in."""
@@ -184,7 +139,7 @@ class Part:
     def __str__(self) -> str:
         if not self.options:
             return self.name
-        shown = ",".join(f"{k}={_format_option(self._schema[k], v)}" for k, v in self.options)
+        shown = ",".join(f"{k}={format_option(self._schema[k], v)}" for k, v in self.options)
         return f"{self.name}[{shown}]"
 
     def __repr__(self) -> str:
@@ -253,33 +208,9 @@ def _check_unique(names: list[str], spec: str | None) -> None:
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice:
         raise TargetError(
-            f"part '{twice}' appears twice{_in(spec)}; write it once with all its options", twice
+            f"part '{twice}' appears twice{in_where(spec)}; write it once with all its options",
+            twice,
         )
-
-
-def _one_of(names: tuple[str, ...]) -> str:
-    quoted = [f"'{name}'" for name in names]
-    return quoted[0] if len(quoted) == 1 else f"one of {', '.join(quoted)}"
-
-
-def _check_conflicts(parts: tuple[Part, ...]) -> None:
-    names = [part.name for part in parts]
-    for a, b in combinations(names, 2):
-        if frozenset((a, b)) in _CONFLICTS:
-            raise TargetError(_CONFLICTS[frozenset((a, b))], part=b)
-    for name, (allowed, why) in _ONLY_WITH.items():
-        others = [n for n in names if n not in (name, *allowed)] if name in names else []
-        if others:
-            raise TargetError(f"'{name}' does not combine with '{others[0]}': {why}", others[0])
-    for name in names:
-        needs, why = _NEEDS_ONE_OF.get(name, ((), ""))
-        if needs and not set(needs) & set(names):
-            raise TargetError(f"'{name}' needs {_one_of(needs)}: {why}", part=name)
-    for part in parts:
-        for name, key, values, needs, why in _OPTION_NEEDS_PART:
-            if part.name == name and part.get(key) in values and not set(needs) & set(names):
-                shown = f"{name}[{key}={_format_value(part.get(key))}]"
-                raise TargetError(f"{shown} needs {_one_of(needs)}: {why}", part=name)
 
 
 @dataclass(frozen=True, repr=False)
@@ -298,8 +229,8 @@ class Target:
         if not all(isinstance(part, Part) for part in parts):
             raise TypeError("Target.parts must be Part objects; use Target.parse for strings")
         _check_unique([part.name for part in parts], None)
-        parts = tuple(sorted(parts, key=lambda part: _ORDER[part.name]))
-        _check_conflicts(parts)
+        parts = tuple(sorted(parts, key=lambda part: PART_ORDER[part.name]))
+        check_conflicts(parts)
         object.__setattr__(self, "parts", parts)
 
     @classmethod
@@ -318,14 +249,6 @@ class Target:
     def from_dict(cls, parts: Mapping[str, Mapping[str, Any] | None]) -> Target:
         """Build from ``{"fsdp": {"reshard": False}, "bf16": None}``; values as in a spec."""
         return cls(tuple(Part(name, dict(options or {})) for name, options in parts.items()))
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> Target:
-        """The target of an Accelerate config file (see ``read_accelerate_config``)."""
-        # Imported here: the YAML mapping is loaded only when a config file is read.
-        from retarget.target.accelerate_yaml import read_accelerate_config
-
-        return read_accelerate_config(path).target
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -359,7 +282,7 @@ class Target:
 def _known_name(name: str) -> str:
     word = name.strip().lower()
     if word not in PARTS:
-        raise KeyError(f"unknown target part {word!r}{_suggest(word, PARTS, _NAME_HINTS)}")
+        raise KeyError(f"unknown target part {word!r}{suggest(word, PARTS, NAME_HINTS)}")
     return word
 
 

@@ -9,19 +9,20 @@ import pytest
 import torch
 
 from retarget.accelerate.arguments import ProjectConfiguration
-from retarget.accelerate.kwargs_handlers import (
+from retarget.accelerate.kwargs_base import KwargsHandlerError
+from retarget.accelerate.kwargs_handlers import as_handler, collect_handlers
+from retarget.accelerate.precision_kwargs import (
     AORecipeKwargs,
     AutocastKwargs,
-    DistributedDataParallelKwargs,
     FP8RecipeKwargs,
     GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandlerError,
     MSAMPRecipeKwargs,
-    ProfileKwargs,
     TERecipeKwargs,
-    as_handler,
-    collect_handlers,
+)
+from retarget.accelerate.process_kwargs import (
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 from retarget.accelerate.target_choice import resolve_target
 from retarget.target.grammar import TargetError

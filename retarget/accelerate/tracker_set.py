@@ -1,0 +1,184 @@
+"""An Accelerator's trackers: `log_with` read into tracker names and instances, and the set of
+trackers each process creates, feeds and closes (named ones on the main process only).
+
+Accelerate's tracker names that need services retarget does not ship are refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from retarget.accelerate.trackers import TRACKERS, GeneralTracker
+
+__all__ = ["UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
+
+#: Accelerate's tracker names that retarget does not ship, with what each would need.
+UNSUPPORTED_TRACKERS = {
+    "wandb": "the Weights & Biases service",
+    "comet_ml": "the Comet service",
+    "aim": "an Aim repository server",
+    "mlflow": "an MLflow tracking server",
+    "clearml": "the ClearML service",
+    "dvclive": "DVC",
+    "swanlab": "the SwanLab service",
+    "trackio": "the Trackio service",
+}
+
+
+class _BlankTracker(GeneralTracker):
+    """What get_tracker returns on a process that holds no trackers: every call does nothing."""
+
+    name = "blank"
+    requires_logging_directory = False
+
+    @property
+    def tracker(self) -> None:
+        return None
+
+
+def _tracker_name(spec: Any) -> str:
+    # Accelerate's LoggerType is a str enum: its value is the name.
+    value = getattr(spec, "value", spec)
+    if not isinstance(value, str):
+        raise TypeError(
+            f"log_with takes tracker names or GeneralTracker instances, got {type(spec).__name__}"
+        )
+    return value.strip().lower()
+
+
+_TRACKER_METHODS = ("start", "store_init_configuration", "log", "finish")
+
+
+def _is_tracker(obj: Any) -> bool:
+    # Accelerate's own GeneralTracker subclasses follow the same contract: accept them too.
+    return hasattr(obj, "name") and all(callable(getattr(obj, m, None)) for m in _TRACKER_METHODS)
+
+
+def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
+    """`log_with` as a list of tracker names and instances; unknown or unsupported names raise.
+
+    "all" means every tracker retarget ships (tensorboard when installed, jsonl).
+    """
+    if log_with is None:
+        return []
+    items = log_with if isinstance(log_with, (list, tuple)) else [log_with]
+    resolved: list[str | GeneralTracker] = []
+    for item in items:
+        if _is_tracker(item):
+            resolved.append(item)
+            continue
+        name = _tracker_name(item)
+        if name == "all":
+            resolved += [n for n in TRACKERS if n != "tensorboard" or _has_tensorboard()]
+        elif name in TRACKERS:
+            resolved.append(name)
+        elif name in UNSUPPORTED_TRACKERS:
+            raise ValueError(
+                f"log_with={name!r} is not supported: it needs {UNSUPPORTED_TRACKERS[name]}, "
+                f"which retarget does not ship. Use {' or '.join(map(repr, TRACKERS))}, or pass "
+                "an instance of a GeneralTracker subclass that wraps it"
+            )
+        else:
+            raise ValueError(
+                f"log_with={name!r} is not a tracker: use {', '.join(map(repr, TRACKERS))}, "
+                "'all', or a GeneralTracker instance"
+            )
+    names = [r for r in resolved if isinstance(r, str)]
+    return [r for i, r in enumerate(resolved) if not isinstance(r, str) or r not in names[:i]]
+
+
+def _has_tensorboard() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TrackerSet:
+    """The trackers of one Accelerator: created by `init`, fed by `log`, closed by `finish`.
+
+    Named trackers and trackers with `main_process_only` run on the main process only; a
+    process that holds none gets a blank tracker from `get` (every call a no-op), as in
+    Accelerate.
+    """
+
+    def __init__(
+        self, log_with: Any, logging_dir: str | os.PathLike[str] | None, is_main_process: bool
+    ) -> None:
+        self.specs = resolve_log_with(log_with)
+        self.logging_dir = logging_dir
+        self.is_main_process = is_main_process
+        self.trackers: list[Any] = []
+        # Instances were built by the caller with their own paths; named trackers need ours.
+        needs_dir = [
+            s for s in self.specs if isinstance(s, str) and TRACKERS[s].requires_logging_directory
+        ]
+        if needs_dir and logging_dir is None:
+            raise ValueError(
+                f"log_with {needs_dir} writes files but no logging directory is set: pass "
+                "project_dir= (or project_config=ProjectConfiguration(logging_dir=...))"
+            )
+
+    def init(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None = None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Create and start the trackers of this process; store `config` in each."""
+        init_kwargs = dict(init_kwargs or {})
+        names = {s if isinstance(s, str) else s.name for s in self.specs}
+        unknown = sorted(set(init_kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"init_kwargs names {unknown}, which are not in log_with ({sorted(names)})"
+            )
+        for spec in self.specs:
+            if isinstance(spec, str):
+                if self.is_main_process:
+                    kwargs = init_kwargs.get(spec, {})
+                    self.trackers.append(TRACKERS[spec](project_name, self.logging_dir, **kwargs))
+            elif self.is_main_process or not getattr(spec, "main_process_only", True):
+                self.trackers.append(spec)
+        for tracker in self.trackers:
+            tracker.start()
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        step: int | None = None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """`values` to every tracker of this process."""
+        log_kwargs = log_kwargs or {}
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def get(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called `name` (its underlying object with `unwrap`)."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if self.trackers or name not in self._names():
+            raise ValueError(
+                f"no tracker named {name!r}: this Accelerator logs with {self._names() or 'none'}"
+            )
+        return _BlankTracker()
+
+    def _names(self) -> list[str]:
+        return [s if isinstance(s, str) else s.name for s in self.specs]
+
+    def finish(self) -> None:
+        """Close every tracker of this process."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.trackers)
