@@ -28,11 +28,9 @@ from retarget.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.grammar import Target, TargetError, parse_target
-from retarget.target.precisions import PRECISION_PARTS, precision_of
+from retarget.target.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
 
 __all__ = ["Resolution", "resolve_target"]
-
-_PRECISION = ("bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,7 +272,7 @@ def _precision(
     base: Target, origin: str, mixed_precision: str | None, recipe: KwargsHandler | None
 ) -> dict[str, dict[str, Any]]:
     """The precision parts: the base's, or those mixed_precision= names, plus recipe options."""
-    parts = {p.name: dict(p.options) for p in base.parts if p.name in _PRECISION}
+    parts = {p.name: dict(p.options) for p in base.parts if p.name in PRECISION_PART_NAMES}
     if mixed_precision is not None:
         word = str(getattr(mixed_precision, "value", mixed_precision)).strip().lower()
         if word not in PRECISION_PARTS:
@@ -326,7 +324,7 @@ def resolve_target(
     base, origin, steps = _base(target, fsdp_plugin, deepspeed_plugin, world_size)
     recipe = next((h for cls, h in handlers.items() if issubclass(cls, FP8_RECIPES)), None)
     precision = _precision(base, origin, mixed_precision, recipe)
-    parts = {p.name: dict(p.options) for p in base.parts if p.name not in _PRECISION}
+    parts = {p.name: dict(p.options) for p in base.parts if p.name not in PRECISION_PART_NAMES}
     if precision and list(parts) == ["single"]:
         parts = {}  # "bf16" alone is single-process bf16; "single+bf16" says it twice
     draft = TargetDraft(parts={**parts, **precision}, strategy_is_default=origin.startswith("def"))

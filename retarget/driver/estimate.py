@@ -16,9 +16,10 @@ from torch import nn
 from retarget.driver.compile import compile_for
 from retarget.report.memory_estimate import MemoryEstimate, estimate_memory
 from retarget.target.grammar import Target, parse_target
+from retarget.target.precisions import PRECISION_PART_NAMES
 
 #: Target parts that change what one process computes; the others distribute it.
-LOCAL_PARTS = ("bf16", "fp16", "fp8", "ac")
+LOCAL_PARTS = (*PRECISION_PART_NAMES, "ac")
 
 
 def estimate_for_target(

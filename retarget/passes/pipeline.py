@@ -22,6 +22,7 @@ from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
 from retarget.passes.shard.zero1 import ShardOptimizerState
 from retarget.target.grammar import Target
+from retarget.target.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 
 #: (target parts the stage realises, the pass class that builds it), in run order.
 STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
@@ -44,12 +45,12 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     (frozenset({"ac"}), CheckpointBlocks),
     # ddp/zero1: replicate, all-reduce gradients in buckets. After every pass that changes
     # modules or parameters: DDP registers the final ones.
-    (frozenset({"ddp", "zero1"}), ShardDdp),
+    (frozenset(DDP_STRATEGIES), ShardDdp),
     # zero1: optimizer state sharded over the ranks DDP replicates on (requires ddp).
     (frozenset({"zero1"}), ShardOptimizerState),
     # fsdp/zero2/zero3/hsdp(+offload): FSDP2 units per repeated block plus the root, mixed
     # precision policy from bf16/fp16. Last rewrite of modules, like ddp, for the same reason.
-    (frozenset({"fsdp", "zero2", "zero3", "hsdp", "offload"}), ShardFsdp),
+    (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),
     # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
     (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
 )

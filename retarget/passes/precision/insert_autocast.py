@@ -124,7 +124,7 @@ class InsertAutocast(Pass):
         `bf16[downcast=true]` is XLA's XLA_DOWNCAST_BF16, which the target only admits beside
         xla: the xla stage realises it, not this pass.
         """
-        name = next((n for n in ("bf16", "fp16") if n in target), None)
+        name = next((n for n in LOW_DTYPES if n in target), None)
         if name is None:
             return []
         part = target.get(name)
