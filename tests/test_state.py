@@ -213,3 +213,18 @@ def test_default_config_models_are_captured_and_match_eager() -> None:
     tokens = reference.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
     assert torch.equal(compiled.generate(ids[:1, :4], max_new_tokens=4, do_sample=False), tokens)
     assert not region.eager_keys
+
+
+def test_decode_steps_reuse_one_graph_with_symbolic_lengths() -> None:
+    model, reference = _llama().eval(), _llama().eval()
+    ids = _ids(batch=1, seq=5)
+    compiled = compile_for(model, "single", example_inputs={"input_ids": ids})
+    (region,) = compiled.program.regions
+    before = region.captures
+    tokens = compiled.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, reference.generate(ids, max_new_tokens=12, do_sample=False))
+    # The first decode step is captured with the cache length symbolic; every later length is
+    # served by that graph after one check against eager, not by a new capture.
+    assert region.captures - before <= 2
+    assert region.reuses >= 10
+    assert any(graph.dynamic for graph in region.distinct_graphs())

@@ -22,7 +22,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -114,21 +114,44 @@ def capture_call(
     traced_args, traced_kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
     index = layer_index(module)
     found = find_state(args, kwargs, index)
-    for name in frontends:
+    attempts = [(name, FRONTENDS[name]) for name in frontends]
+    if found is not None and found.tensors and "export" in frontends:
+        # A filled cache grows by one token per decode step: try a graph that serves every length.
+        attempts.insert(frontends.index("export"), ("export", export.capture_dynamic))
+    for name, trace in attempts:
         try:
-            state = None if found is None else StateCall(found.positions, index, found.before)
+            state = None if found is None else replace(found, after=None)
             traced = _traced_call(module, traced_args, traced_kwargs, state)
             with quiet_tracer_logs():
-                graph = FRONTENDS[name](*traced)
+                graph = trace(*traced)
             graph.state = state
+            graph.dynamic = _signature_positions(graph.dynamic_inputs, state)
             relink_attributes(graph.gm, module)
             checks = [check_against_eager(t, graph, args, kwargs) for t in (module, *check_modules)]
             graph.checkpointed = checks[0]
         except Exception as exc:  # a frontend failing is data for the report, not an error
-            failures.append((name, one_line(exc)))
+            dynamic = trace is export.capture_dynamic
+            failures.append((f"{name} (dynamic shapes)" if dynamic else name, one_line(exc)))
             continue
         return Capture(name, graph, failures, time.perf_counter() - start)
     return Capture(EAGER, None, failures, time.perf_counter() - start)
+
+
+def _signature_positions(
+    dynamic_inputs: tuple[tuple[int, int], ...], state: StateCall | None
+) -> frozenset:
+    """Map a functional view's symbolic inputs to positions in the call signature.
+
+    The view's flat inputs are the cache's tensors, then the call's own leaves (the cache's place
+    holding a marker); the signature describes the cache leaf by its tensors' shapes.
+    """
+    if state is None or len(state.positions) != 1:
+        return frozenset()
+    count = state.tensors
+    return frozenset(
+        ("state", state.positions[0], index, dim) if index < count else ("leaf", index - count, dim)
+        for index, dim in dynamic_inputs
+    )
 
 
 def _traced_call(
@@ -139,7 +162,7 @@ def _traced_call(
         return module, args, kwargs
     view = functional_view(module, original_class(module).forward, state)
     _, _, tensors, plain_args, plain_kwargs = state.split(args, kwargs, state.index)
-    return view, ([t.detach() for t in tensors], *plain_args), plain_kwargs
+    return view, ([t.detach() for t in tensors], plain_args, plain_kwargs), {}
 
 
 __all__ = ["EAGER", "FRONTENDS", "Capture", "CapturedGraph", "capture_call", "one_line"]

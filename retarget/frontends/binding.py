@@ -51,6 +51,12 @@ class CapturedGraph:
     positional: tuple[str, ...] | None = None
     signature: Any = None
     state: StateCall | None = None
+    dynamic_inputs: tuple[tuple[int, int], ...] = ()
+    """(flat input index, dim) pairs the tracer left symbolic (`export.capture_dynamic`)."""
+    dynamic: frozenset = frozenset()
+    """The same, as positions in the call signature (`retarget.ir.region.call_key`)."""
+    pattern: Any = None
+    """The signature with the symbolic sizes blanked: which calls the graph may serve."""
     checkpointed: bool = False
     """The block checkpoints part of itself (torch.utils.checkpoint), which tracing inlines."""
 

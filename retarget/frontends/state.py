@@ -56,6 +56,8 @@ class StateCall:
     positions: tuple[int, ...]
     index: int | None
     before: tuple[Skeleton, ...]
+    tensors: int = 0
+    """How many tensors the objects hold (the graph's first inputs)."""
     after: tuple[Skeleton, ...] | None = None
 
     def split(
@@ -77,11 +79,11 @@ class StateCall:
     def run(
         self, forward: Callable[..., Any], args: tuple, kwargs: dict, live_index: int | None
     ) -> Any:
-        """Call a captured graph's `forward(tensors, *args, **kwargs)` and update the objects."""
+        """Call a captured graph's `forward(tensors, args, kwargs)` and update the objects."""
         if self.after is None:
             raise RuntimeError("the state layout after the call was not recorded at capture")
         objects, seen, tensors, plain_args, plain_kwargs = self.split(args, kwargs, live_index)
-        output, tensors_after = forward(tensors, *plain_args, **plain_kwargs)
+        output, tensors_after = forward(tensors, plain_args, plain_kwargs)
         write_back(seen, self.after, list(tensors_after))
         if seen is not objects:
             widen(objects, seen, live_index, self.index)
@@ -97,8 +99,8 @@ def find_state(args: tuple, kwargs: dict, index: int | None) -> StateCall | None
     objects = [leaves[i] for i in positions]
     if index is not None:
         objects = narrow(objects, index, index)
-    before, _ = layout(objects)
-    return StateCall(positions, index, before)
+    before, tensors = layout(objects)
+    return StateCall(positions, index, before, len(tensors))
 
 
 def describe_state(value: Any, index: int | None) -> tuple:
@@ -191,14 +193,14 @@ def checkpointed_call(
 def functional_view(module: nn.Module, forward: Callable[..., Any], state: StateCall) -> nn.Module:
     """A module sharing `module`'s state whose forward is `forward` made functional in the state.
 
-    Its forward takes `(tensors, *args, **kwargs)` (the stateful objects replaced by
+    Its forward takes `(tensors, args, kwargs)` (the stateful objects replaced by
     `STATE_MARKER`),
     rebuilds the objects from `tensors`, calls `forward(self, *args, **kwargs)`, records the
     objects' skeletons after the call in `state.after`, and returns (output, their tensors).
     Parameters keep their paths, since the view shares the module's `__dict__`.
     """
 
-    def functional(self, tensors, *args, **kwargs):
+    def functional(self, tensors, args, kwargs):
         objects = rebuild(state.before, list(tensors))
         leaves, spec = tree_flatten((args, kwargs))
         for i, obj in zip(state.positions, objects, strict=True):

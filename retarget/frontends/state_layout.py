@@ -50,6 +50,10 @@ class _Layout:
             return ("t", index)
         if isinstance(value, (*_PLAIN, enum.Enum)):
             return ("v", value)
+        if isinstance(value, torch.SymInt):
+            # A count the cache keeps that a tracer made symbolic (a sliding window's cumulative
+            # length): the skeleton needs its value, which specialises the graph to this length.
+            return ("v", int(value))
         if isinstance(value, (list, tuple, dict)) or is_state(value):
             if id(value) in self._seen:
                 return ("r", self._seen[id(value)])

@@ -23,6 +23,7 @@ from retarget.core.capturing import capturing_originals
 from retarget.core.errors import PassError
 from retarget.core.slots import BINDINGS, PATH, REGION
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
+from retarget.frontends.check import check_against_eager
 from retarget.frontends.state import describe_state
 from retarget.frontends.state_layers import layer_index
 from retarget.frontends.state_layout import is_state
@@ -53,6 +54,9 @@ class Region:
     capture_seconds: float = 0.0
     version: int = 0
     eager_keys: set = field(default_factory=set, repr=False)
+    dynamic_graphs: list[CapturedGraph] = field(default_factory=list, repr=False)
+    reuses: int = 0
+    """Signatures served by a graph with symbolic sizes instead of a new capture."""
 
     @property
     def repeats(self) -> int:
@@ -88,7 +92,11 @@ class Region:
         result.graph.gm.meta["training"] = module.training
         for pass_name, transform in self.transforms:
             _apply(pass_name, transform, result.graph)
-        self.graphs[self._key(module, args, kwargs)] = result.graph
+        key = self._key(module, args, kwargs)
+        self.graphs[key] = result.graph
+        if result.graph.dynamic and self.shared:
+            result.graph.pattern = masked_key(key, result.graph.dynamic)
+            self.dynamic_graphs.append(result.graph)
         return result.graph
 
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -104,10 +112,36 @@ class Region:
             return self.graphs[key]
         if key in self.eager_keys:
             return None
+        graph = self._reuse_dynamic(module, args, kwargs, key)
+        if graph is not None:
+            return graph
         graph = self.capture(module, args, kwargs)
         if graph is None:
             self.eager_keys.add(key)
         return graph
+
+    def _reuse_dynamic(self, module: nn.Module, args: tuple, kwargs: dict, key: Any):
+        """A graph with symbolic sizes whose pattern fits this call, checked once against eager.
+
+        The check (two forwards of one block) replaces a capture (a trace): a decode step with a
+        one-token-longer cache reuses the previous step's graph, exactly.
+        """
+        for graph in self.dynamic_graphs:
+            if key[0] != graph.pattern[0] or masked_key(key, graph.dynamic) != graph.pattern:
+                continue
+            try:
+                with running_eagerly((module,)), capturing_originals():
+                    check_against_eager(module, graph, args, kwargs)
+            except Exception:  # outside the graph's guards, or not exact here: capture anew
+                continue
+            self.graphs[key] = graph
+            self.reuses += 1
+            return graph
+        return None
+
+    def distinct_graphs(self) -> list[CapturedGraph]:
+        """Each graph once (a graph with symbolic sizes serves several signatures)."""
+        return list({id(g): g for g in self.graphs.values()}.values())
 
     # -- rewriting ------------------------------------------------------------------------
     def add_transform(
@@ -122,10 +156,11 @@ class Region:
         self.transforms.append((pass_name, transform))
         if eager_form is not None:
             self.eager_forms.append((pass_name, eager_form))
-        for graph in self.graphs.values():
+        graphs = self.distinct_graphs()
+        for graph in graphs:
             _apply(pass_name, transform, graph)
         self.version += 1
-        return len(self.graphs)
+        return len(graphs)
 
     def representative(self) -> CapturedGraph | None:
         """The first graph captured (what reports and dumps show)."""
@@ -197,6 +232,41 @@ def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         torch.get_autocast_dtype("cuda"),
     )
     return (spec, described, training, autocast)
+
+
+def masked_key(key: tuple, dynamic: frozenset) -> tuple:
+    """`call_key`'s value with the sizes at `dynamic` positions (a graph's symbolic ones) blanked.
+
+    Positions are ("leaf", i, dim) for the i-th flat argument, or ("state", i, t, dim) for the
+    t-th tensor of the stateful argument at flat position i.
+    """
+    spec, described, training, autocast = key
+    described = list(described)
+    for position in sorted(dynamic, key=repr):
+        if position[0] == "leaf":
+            _, i, dim = position
+            if not isinstance(described[i], tuple) or len(described[i]) != 4:
+                return (spec, None, training, autocast)
+            shape, *rest = described[i]
+            described[i] = (_blank(shape, dim), *rest)
+        else:
+            _, i, t, dim = position
+            if not (isinstance(described[i], tuple) and described[i][:1] == ("state",)):
+                return (spec, None, training, autocast)
+            tag, skeleton, metas = described[i]
+            if t >= len(metas):
+                return (spec, None, training, autocast)
+            metas = list(metas)
+            shape, *rest = metas[t]
+            metas[t] = (_blank(shape, dim), *rest)
+            described[i] = (tag, skeleton, tuple(metas))
+    return (spec, tuple(described), training, autocast)
+
+
+def _blank(shape: Any, dim: int) -> tuple:
+    if not isinstance(shape, tuple) or dim >= len(shape):
+        return ("no such size", shape)  # another structure: never equal to the pattern
+    return (*shape[:dim], None, *shape[dim + 1 :])
 
 
 def _describe(leaf: Any, index: int | None) -> Any:
