@@ -29,9 +29,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from retarget.core.modules import original_class
 from retarget.frontends import dynamo, export, fx
 from retarget.frontends.binding import CapturedGraph, relink_attributes
 from retarget.frontends.check import check_against_eager
+from retarget.frontends.state import StateCall, find_state, functional_view
+from retarget.frontends.state_layers import layer_index
 
 #: Frontends in the order they are tried; "eager" is what is left when all fail.
 FRONTENDS: dict[str, Callable[[nn.Module, tuple, dict], CapturedGraph]] = {
@@ -109,10 +112,15 @@ def capture_call(
     # What the graph computes does not depend on autograd history; tracing inputs that carry it
     # makes export lift intermediate tensors as constants.
     traced_args, traced_kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+    index = layer_index(module)
+    found = find_state(args, kwargs, index)
     for name in frontends:
         try:
+            state = None if found is None else StateCall(found.positions, index, found.before)
+            traced = _traced_call(module, traced_args, traced_kwargs, state)
             with quiet_tracer_logs():
-                graph = FRONTENDS[name](module, traced_args, traced_kwargs)
+                graph = FRONTENDS[name](*traced)
+            graph.state = state
             relink_attributes(graph.gm, module)
             for target in (module, *check_modules):
                 check_against_eager(target, graph, args, kwargs)
@@ -121,6 +129,17 @@ def capture_call(
             continue
         return Capture(name, graph, failures, time.perf_counter() - start)
     return Capture(EAGER, None, failures, time.perf_counter() - start)
+
+
+def _traced_call(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], state: StateCall | None
+) -> tuple[nn.Module, tuple, dict[str, Any]]:
+    """What a frontend traces: the call itself, or its functional view when it carries state."""
+    if state is None:
+        return module, args, kwargs
+    view = functional_view(module, original_class(module).forward, state)
+    _, _, tensors, plain_args, plain_kwargs = state.split(args, kwargs, state.index)
+    return view, ([t.detach() for t in tensors], *plain_args), plain_kwargs
 
 
 __all__ = ["EAGER", "FRONTENDS", "Capture", "CapturedGraph", "capture_call", "one_line"]

@@ -15,6 +15,9 @@ from typing import Any
 from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
+from retarget.frontends.state import StateCall
+from retarget.frontends.state_layers import layer_index
+
 _GRAPH_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {
     "_graph",
     "_code",
@@ -36,17 +39,23 @@ class CapturedGraph:
 
     `positional` lists the forward's parameter names when the graph takes every argument
     positionally (fx with concrete arguments renames placeholders); None means the graph's
-    forward takes the module's own (args, kwargs).
+    forward takes the module's own (args, kwargs). `state` is set when the call carries a
+    stateful object (a KV cache): the graph then takes its tensors first and returns
+    (output, tensors after), and `state` writes them back into the live object.
     """
 
     frontend: str
     gm: fx.GraphModule
     positional: tuple[str, ...] | None = None
     signature: Any = None
+    state: StateCall | None = None
 
     def run(self, live: nn.Module, args: tuple, kwargs: dict[str, Any], private: dict) -> Any:
         forward = type(self.gm).forward
         me = _LiveSelf(live, private)
+        if self.state is not None:
+            index = layer_index(live)
+            return self.state.run(lambda *a, **k: forward(me, *a, **k), args, kwargs, index)
         if self.positional is None:
             return forward(me, *args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
@@ -95,6 +104,14 @@ def relink_attributes(gm: fx.GraphModule, module: nn.Module) -> None:
         if path is not None and path != node.target:
             node.target = path
             _copy_attr(module, gm, path)  # keeps graph.lint() able to resolve the new path
+            changed = True
+        elif path is None and "." in node.target and _resolve(module, node.target) is None:
+            # A constant the tracer made inside a submodule (export's `self_attn.lifted_tensor_0`
+            # for a `torch.tensor([])` in the block's code): the live submodule lacks it, so
+            # the graph keeps it under a top-level name of its own.
+            name = "_const_" + node.target.replace(".", "_")
+            setattr(gm, name, value)
+            node.target = name
             changed = True
     if changed:
         gm.recompile()

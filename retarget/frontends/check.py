@@ -2,7 +2,8 @@
 
 Both runs start from the same RNG state (so dropout draws the same mask) and the same buffers (so
 BatchNorm statistics are not advanced twice); afterwards RNG and buffers are put back, so checking
-leaves no trace on training.
+leaves no trace on training. Stateful arguments (KV caches) are copied for each run, and the
+objects they leave behind must be equal too: same structure, same tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from retarget.frontends.binding import CapturedGraph
+from retarget.frontends.state import copy_state_args, state_objects
+from retarget.frontends.state_layers import layer_index, moved_state_args
+from retarget.frontends.state_layout import layout
 
 
 class CaptureMismatch(AssertionError):
@@ -27,13 +31,27 @@ def check_against_eager(
 ) -> None:
     """Raise CaptureMismatch unless `graph` run on `module` equals `module`'s eager forward."""
     private = graph.private_attributes(module)
+    traced_at = None if graph.state is None else graph.state.index
+    index = layer_index(module)
+    if traced_at is not None and index is not None and index != traced_at:
+        # Another repeat: its own cache entry is what the traced repeat's entry was.
+        args, kwargs = moved_state_args(args, kwargs, traced_at, index)
+    eager_args, eager_kwargs = copy_state_args(args, kwargs)
+    graph_args, graph_kwargs = copy_state_args(args, kwargs)
     with preserved_state(module), torch.no_grad():
         with preserved_state(module):
-            expected = module.forward(*args, **kwargs)
-        got = graph.run(module, args, kwargs, private)
+            expected = module.forward(*eager_args, **eager_kwargs)
+        got = graph.run(module, graph_args, graph_kwargs, private)
     mismatch = first_difference(expected, got)
     if mismatch:
         raise CaptureMismatch(f"graph output differs from eager: {mismatch}")
+    expected_state = layout(state_objects(eager_args, eager_kwargs))
+    got_state = layout(state_objects(graph_args, graph_kwargs))
+    if expected_state[0] != got_state[0]:
+        raise CaptureMismatch("the graph leaves a stateful argument (a cache) in another shape")
+    mismatch = first_difference(expected_state[1], got_state[1])
+    if mismatch:
+        raise CaptureMismatch(f"the graph updates a stateful argument differently: {mismatch}")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,9 @@ from retarget.core.capturing import capturing_originals
 from retarget.core.errors import PassError
 from retarget.core.slots import BINDINGS, PATH, REGION
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
+from retarget.frontends.state import describe_state
+from retarget.frontends.state_layers import layer_index
+from retarget.frontends.state_layout import is_state
 
 PENDING = "pending"
 GraphTransform = Callable[[fx.GraphModule], None]
@@ -183,7 +186,8 @@ class RegionModule(nn.Module):
 def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What a captured graph is specialised to: input structure, shapes, flags, autocast."""
     leaves, spec = tree_flatten((args, kwargs))
-    described = tuple(_describe(leaf) for leaf in leaves)
+    index = layer_index(module)
+    described = tuple(_describe(leaf, index) for leaf in leaves)
     # Walked every call, not cached: passes may swap submodules after the first call.
     training = tuple(m.training for m in module.modules())
     autocast = (
@@ -195,9 +199,11 @@ def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (spec, described, training, autocast)
 
 
-def _describe(leaf: Any) -> Any:
+def _describe(leaf: Any, index: int | None) -> Any:
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.is_contiguous())
+    if is_state(leaf):  # a KV cache: its structure and its tensors' shapes, not its identity
+        return describe_state(leaf, index)
     try:
         hash(leaf)
     except TypeError:

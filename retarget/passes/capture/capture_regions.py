@@ -28,6 +28,7 @@ from retarget.core.modules import original_class, with_mixin
 from retarget.core.slots import PATH, REGION
 from retarget.frontends import FRONTENDS
 from retarget.frontends.check import preserved_state
+from retarget.frontends.state import copy_state_args
 from retarget.ir.program import ROOT, Program
 from retarget.ir.region import Region, RegionModule, running_eagerly
 from retarget.passes.base import Pass, PassResult
@@ -148,7 +149,8 @@ def record_inputs(module: nn.Module, path_lists: list[list[str]], example) -> di
 
         def hook(_module, args, kwargs, path=path) -> None:
             if path not in seen:  # a pre-hook that returns a value would replace the inputs
-                seen[path] = (args, kwargs)
+                # A cache among the inputs is copied: the rest of the forward updates it.
+                seen[path] = copy_state_args(args, kwargs)
                 if wanted <= seen.keys():
                     raise _AllSeen
 
