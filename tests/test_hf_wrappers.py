@@ -31,11 +31,6 @@ import retarget
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 LORA_TARGETS = ["q_proj", "v_proj"]
-#: Decoder layers at their default use_cache=True get a DynamicCache among their arguments, which
-#: no frontend takes yet; the cache capture of issue 11 lifts it. Strict: passing means it landed.
-NEEDS_CACHE_CAPTURE = pytest.mark.xfail(
-    strict=True, reason="decoder layer called with a DynamicCache runs eagerly (no capture yet)"
-)
 
 
 # --------------------------------------------------------------------------- models
@@ -190,20 +185,29 @@ def _loss_and_logits(output: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return output.loss, output.logits
 
 
+def cache_tensors(output: Any) -> list[torch.Tensor]:
+    """Every key and value tensor of the cache a model returned (none for a plain tensor)."""
+    cache = getattr(output, "past_key_values", None)
+    if cache is None:
+        return []
+    return [t.detach() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
 def eager_regions(compiled: nn.Module) -> list[str]:
     regions = compiled.program.regions
     return [f"{r.name}: {r.reason}" for r in regions if r.eager_only or r.frontend == "eager"]
 
 
 def train_step(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer, seed: int):
-    """One SGD step from RNG state `seed`; returns loss, logits and the trainable gradients."""
+    """One SGD step from RNG state `seed`: loss, logits, returned cache, trainable gradients."""
     optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss, logits = _loss_and_logits(_call(model, inputs))
+    output = _call(model, inputs)
+    loss, logits = _loss_and_logits(output)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer.step()
-    return loss.detach(), logits.detach(), grads
+    return loss.detach(), logits.detach(), cache_tensors(output), grads
 
 
 def assert_trains_like_eager(
@@ -218,10 +222,12 @@ def assert_trains_like_eager(
     sgd_ref = torch.optim.SGD(trainable, lr=0.5)
     sgd = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=0.5)
     for seed in range(1, steps + 1):
-        loss_ref, logits_ref, grads_ref = train_step(reference, inputs, sgd_ref, seed)
-        loss, logits, grads = train_step(compiled, inputs, sgd, seed)
+        loss_ref, logits_ref, cache_ref, grads_ref = train_step(reference, inputs, sgd_ref, seed)
+        loss, logits, cache, grads = train_step(compiled, inputs, sgd, seed)
         assert torch.equal(loss, loss_ref), f"step {seed}: loss {loss.item()} != {loss_ref.item()}"
         assert torch.equal(logits, logits_ref), f"step {seed}: logits differ"
+        assert len(cache) == len(cache_ref)
+        assert all(torch.equal(a, b) for a, b in zip(cache, cache_ref, strict=True)), "cache"
         assert grads.keys() == grads_ref.keys()
         for name, grad in grads.items():
             assert grad is not None and grads_ref[name] is not None, name
@@ -266,7 +272,6 @@ def test_hf_gradient_checkpointing_already_enabled(target):
     assert saved_tensor_count(compiled, lm_inputs()) < saved_tensor_count(llama(), lm_inputs())
 
 
-@NEEDS_CACHE_CAPTURE
 def test_peft_lora_trains_only_the_adapters_bitwise():
     pytest.importorskip("peft")
     compiled = assert_trains_like_eager(lora_llama, lm_inputs())
@@ -288,12 +293,9 @@ def test_peft_lora_trains_only_the_adapters_bitwise():
         torch.testing.assert_close(merged(**lm_inputs()).logits, adapted)
 
 
-@NEEDS_CACHE_CAPTURE
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_llama_attention_implementations(attention):
-    compiled = assert_trains_like_eager(
-        lambda: llama(attn_implementation=attention), lm_inputs()
-    )
+    compiled = assert_trains_like_eager(lambda: llama(attn_implementation=attention), lm_inputs())
     assert compiled.config._attn_implementation == attention
 
 
@@ -323,7 +325,6 @@ def test_blocks_taking_kwargs_are_captured_by_export():
     assert region.frontend == "export" and region.repeats == 3
 
 
-@NEEDS_CACHE_CAPTURE
 def test_gpt2_conv1d_at_default_config():
     compiled = assert_trains_like_eager(gpt2, lm_inputs())
     (region,) = compiled.program.regions
