@@ -272,9 +272,11 @@ def test_hf_gradient_checkpointing_already_enabled(target):
     assert saved_tensor_count(compiled, lm_inputs()) < saved_tensor_count(llama(), lm_inputs())
 
 
-def test_peft_lora_trains_only_the_adapters_bitwise():
+def test_peft_lora_trains_only_the_adapters_bitwise(capsys):
     pytest.importorskip("peft")
     compiled = assert_trains_like_eager(lora_llama, lm_inputs())
+    compiled.print_trainable_parameters()  # PeftModel's methods work on the compiled model
+    assert "trainable params: 1,792" in capsys.readouterr().out
     trainable = [n for n, p in compiled.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # Named like base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
