@@ -314,3 +314,42 @@ def test_whole_model_graph_is_refused():
 def test_bad_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         CheckpointOptions(**options)
+
+
+@pytest.mark.parametrize("target", ["single+ac", "single+ac[policy=selective]"])
+def test_checkpointed_block_with_a_kv_cache_updates_it_once(target: str) -> None:
+    # HF decoders at their default config pass a cache even in training; the recompute must
+    # see it as the forward did, and the cache must be updated once, as in eager.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from retarget.frontends.state_layout import layout
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    compiled = retarget.compile_for(model, target, example_inputs=batch)
+    assert not any(r.eager_only for r in compiled.program.regions)
+    want, got = reference(**batch), compiled(**batch)
+    want.loss.backward()
+    got.loss.backward()
+    assert torch.equal(want.loss, got.loss)
+    for (name, a), b in zip(reference.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    (want_layout, want_tensors), (got_layout, got_tensors) = (
+        layout([want.past_key_values]),
+        layout([got.past_key_values]),
+    )
+    assert want_layout == got_layout
+    assert all(map(torch.equal, want_tensors, got_tensors))
+    assert got_tensors[0].shape[-2] == ids.shape[1]  # one update per layer, not two

@@ -133,6 +133,44 @@ def state_objects(args: tuple, kwargs: dict) -> list[Any]:
     return [leaf for leaf in leaves if is_state(leaf)]
 
 
+def on_copies(
+    forward: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable[..., Any], list[torch.Tensor], Callable[[Any], Any]] | None:
+    """`forward(*args, **kwargs)` as a pure function of the stateful objects' tensors.
+
+    Returns None when the call has no stateful argument, else `(pure, tensors, commit)`:
+    `pure(tensors, *args, **kwargs)` runs `forward` on fresh copies of the objects rebuilt from
+    `tensors` (the live ones are not touched) and returns (output, tensors after);
+    `commit(result)` writes the copies' final state into the live objects and returns the output.
+    A caller that may run `pure` twice (checkpoint's recompute) thus sees the same cache both
+    times and updates the live cache once.
+    """
+    live = state_objects(args, kwargs)
+    if not live:
+        return None
+    skeletons, tensors = layout(live)
+    after: list[tuple[Skeleton, ...]] = []
+
+    def pure(state_tensors: list[torch.Tensor], *call_args: Any, **call_kwargs: Any) -> Any:
+        copies = rebuild(skeletons, list(state_tensors))
+        leaves, spec = tree_flatten((call_args, call_kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if is_state(leaf)]
+        for i, copy in zip(positions, copies, strict=True):
+            leaves[i] = copy
+        full_args, full_kwargs = tree_unflatten(leaves, spec)
+        output = forward(*full_args, **full_kwargs)
+        final, tensors_after = layout(copies)
+        after[:] = [final]
+        return output, tensors_after
+
+    def commit(result: Any) -> Any:
+        output, tensors_after = result
+        write_back(live, after[0], list(tensors_after))
+        return output
+
+    return pure, tensors, commit
+
+
 def functional_view(module: nn.Module, forward: Callable[..., Any], state: StateCall) -> nn.Module:
     """A module sharing `module`'s state whose forward is `forward` made functional in the state.
 
@@ -167,5 +205,6 @@ __all__ = [
     "describe_state",
     "find_state",
     "functional_view",
+    "on_copies",
     "state_objects",
 ]

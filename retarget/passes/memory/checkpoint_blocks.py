@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from retarget.core.capturing import capturing
 from retarget.core.modules import with_mixin
 from retarget.core.slots import CHECKPOINT, REGION
+from retarget.frontends.state import on_copies
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.memory.activation_profile import (
@@ -245,14 +246,15 @@ class CheckpointedModule(nn.Module):
         if region is not None:
             region.graph_for(self, args, kwargs)  # a new signature is captured out here
         setting: BlockCheckpoint = CHECKPOINT.get(self)
-        return checkpoint(
-            forward,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=setting.context_fn(self),
-            **kwargs,
-        )
+        options = {"use_reentrant": False, "preserve_rng_state": True}
+        options["context_fn"] = setting.context_fn(self)
+        stateful = on_copies(forward, args, kwargs)
+        if stateful is None:
+            return checkpoint(forward, *args, **options, **kwargs)
+        # A KV cache among the inputs: the recompute must see it as the forward did and must
+        # not update it a second time, so the checkpointed function is pure in the cache.
+        pure, tensors, commit = stateful
+        return commit(checkpoint(pure, tensors, *args, **options, **kwargs))
 
 
 @contextlib.contextmanager
