@@ -107,6 +107,12 @@ def coverage_row(entry: Any, benchmark) -> dict[str, Any]:
     captured = [r for r in regions if not r.eager_only and r.frontend != "eager"]
     difference = first_difference(_train_step(compiled[-1], inputs), _train_step(reference, inputs))
     eager = [f"{r.name}: {r.reason}" for r in regions if r not in captured]
+    # A captured region can still meet a call signature it could not capture during the step.
+    eager += [
+        f"{r.name}: {len(r.eager_keys)} call signature(s) ran eagerly"
+        for r in captured
+        if r.eager_keys
+    ]
     return {
         "model": entry.name,
         "class": type(reference).__name__,
