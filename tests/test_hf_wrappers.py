@@ -2,10 +2,11 @@
 
 Each case builds the same model twice from seed 0 (a reference that runs eagerly, and one that
 `compile_for` compiles), trains both for two SGD steps from the same RNG state, and asserts that
-no region ran eagerly and that loss, logits, every gradient and the updated weights are bitwise
-equal. The wrappers: HF gradient checkpointing, PEFT LoRA, the eager and sdpa attention
-implementations, `torch.utils.checkpoint` inside a user's block, blocks taking `**kwargs`, and
-GPT-2's Conv1D layers. Hugging Face configs are the defaults with only the sizes shrunk.
+no region ran eagerly and that loss, logits, the returned cache, every gradient and the updated
+weights are bitwise equal, then the same for logits and cache of one eval-mode forward. The
+wrappers: HF gradient checkpointing, PEFT LoRA, the eager and sdpa attention implementations,
+`torch.utils.checkpoint` inside a user's block, blocks taking `**kwargs`, and GPT-2's Conv1D.
+Hugging Face configs are the defaults with only the sizes shrunk.
 """
 
 from __future__ import annotations
@@ -235,6 +236,19 @@ def assert_trains_like_eager(
     weights_ref = dict(reference.named_parameters())
     for name, param in compiled.named_parameters():
         assert torch.equal(param, weights_ref[name]), f"weight {name} differs after training"
+    # Eval mode (HF decoders then fill their cache even under gradient checkpointing).
+    outputs = []
+    for model in (reference, compiled):
+        model.eval()
+        with torch.no_grad():
+            output = _call(model, inputs)
+        outputs.append((_loss_and_logits(output)[1], cache_tensors(output)))
+        model.train()
+    (logits_ref, cache_ref), (logits, cache) = outputs
+    assert torch.equal(logits, logits_ref), "eval logits differ"
+    assert len(cache) == len(cache_ref)
+    assert all(torch.equal(a, b) for a, b in zip(cache, cache_ref, strict=True)), "eval cache"
+    assert eager_regions(compiled) == []
     return compiled
 
 
