@@ -123,3 +123,52 @@ def test_one_line_keeps_the_first_line_and_the_type():
     err = RuntimeError("first line\nsecond line")
     assert one_line(err) == "RuntimeError: first line"
     assert one_line(ValueError("x" * 500)).endswith("...")
+
+
+class _UserCheckpointedBlock(nn.Module):
+    """A user's block that checkpoints part of itself (tracers inline the checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(16, 64), nn.Linear(64, 16), nn.Dropout(0.1)
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(torch.relu(self.up(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_a_users_checkpoint_inside_a_block_keeps_its_memory_saving() -> None:
+    import retarget
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[_UserCheckpointedBlock() for _ in range(3)], nn.Linear(16, 1))
+
+    def saved_and_loss(model: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        count = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            count[0] += 1
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.manual_seed(3)
+            loss = model(x).sum()
+        loss.backward()
+        return count[0], loss
+
+    x = torch.randn(4, 16)
+    reference, compiled = build(), retarget.compile_for(build(), "single", example_inputs=(x,))
+    (region,) = compiled.program.regions
+    assert region.frontend == "export"
+    assert all(graph.checkpointed for graph in region.graphs.values())
+    (eager_saved, eager_loss), (graph_saved, graph_loss) = (
+        saved_and_loss(reference, x),
+        saved_and_loss(compiled, x),
+    )
+    assert graph_saved == eager_saved  # without the checkpoint the graph saves every activation
+    assert torch.equal(eager_loss, graph_loss)
+    for a, b in zip(reference.parameters(), compiled.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -122,8 +122,8 @@ def capture_call(
                 graph = FRONTENDS[name](*traced)
             graph.state = state
             relink_attributes(graph.gm, module)
-            for target in (module, *check_modules):
-                check_against_eager(target, graph, args, kwargs)
+            checks = [check_against_eager(t, graph, args, kwargs) for t in (module, *check_modules)]
+            graph.checkpointed = checks[0]
         except Exception as exc:  # a frontend failing is data for the report, not an error
             failures.append((name, one_line(exc)))
             continue

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
-from retarget.frontends.state import StateCall
+from retarget.core.capturing import capturing
+from retarget.frontends.state import StateCall, checkpointed_call
 from retarget.frontends.state_layers import layer_index
 
 _GRAPH_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {
@@ -49,8 +51,18 @@ class CapturedGraph:
     positional: tuple[str, ...] | None = None
     signature: Any = None
     state: StateCall | None = None
+    checkpointed: bool = False
+    """The block checkpoints part of itself (torch.utils.checkpoint), which tracing inlines."""
 
     def run(self, live: nn.Module, args: tuple, kwargs: dict[str, Any], private: dict) -> Any:
+        if self.checkpointed and torch.is_grad_enabled() and not capturing():
+            # Keep the user's memory saving: recompute the whole block in backward.
+            return checkpointed_call(
+                lambda *a, **k: self.run_graph(live, a, k, private), args, kwargs
+            )
+        return self.run_graph(live, args, kwargs, private)
+
+    def run_graph(self, live: nn.Module, args: tuple, kwargs: dict[str, Any], private: dict) -> Any:
         forward = type(self.gm).forward
         me = _LiveSelf(live, private)
         if self.state is not None:

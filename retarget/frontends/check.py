@@ -4,6 +4,10 @@ Both runs start from the same RNG state (so dropout draws the same mask) and the
 BatchNorm statistics are not advanced twice); afterwards RNG and buffers are put back, so checking
 leaves no trace on training. Stateful arguments (KV caches) are copied for each run, and the
 objects they leave behind must be equal too: same structure, same tensors bit for bit.
+
+The eager run also notes whether the block checkpoints part of itself with
+torch.utils.checkpoint: tracers inline that, so the graph then runs under checkpoint as a whole
+(`CapturedGraph.checkpointed`) to keep the user's memory saving.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from retarget.frontends.binding import CapturedGraph
 from retarget.frontends.state import copy_state_args, state_objects
@@ -28,8 +33,11 @@ class CaptureMismatch(AssertionError):
 
 def check_against_eager(
     module: nn.Module, graph: CapturedGraph, args: tuple, kwargs: dict[str, Any]
-) -> None:
-    """Raise CaptureMismatch unless `graph` run on `module` equals `module`'s eager forward."""
+) -> bool:
+    """Raise CaptureMismatch unless `graph` run on `module` equals `module`'s eager forward.
+
+    Returns whether the eager forward ran code under torch.utils.checkpoint.
+    """
     private = graph.private_attributes(module)
     traced_at = None if graph.state is None else graph.state.index
     index = layer_index(module)
@@ -38,9 +46,13 @@ def check_against_eager(
         args, kwargs = moved_state_args(args, kwargs, traced_at, index)
     eager_args, eager_kwargs = copy_state_args(args, kwargs)
     graph_args, graph_kwargs = copy_state_args(args, kwargs)
+    watch = CheckpointWatch()
     with preserved_state(module), torch.no_grad():
-        with preserved_state(module):
-            expected = module.forward(*eager_args, **eager_kwargs)
+        # With grad on, as in training: checkpoint does nothing (and is not seen) without it.
+        with preserved_state(module), torch.enable_grad(), watch:
+            expected = tree_map_only(
+                torch.Tensor, torch.Tensor.detach, module.forward(*eager_args, **eager_kwargs)
+            )
         got = graph.run(module, graph_args, graph_kwargs, private)
     mismatch = first_difference(expected, got)
     if mismatch:
@@ -52,6 +64,21 @@ def check_against_eager(
     mismatch = first_difference(expected_state[1], got_state[1])
     if mismatch:
         raise CaptureMismatch(f"the graph updates a stateful argument differently: {mismatch}")
+    return watch.seen
+
+
+class CheckpointWatch(TorchFunctionMode):
+    """Notes whether any torch call ran under torch.utils.checkpoint's saved-tensor hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.seen:
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            self.seen = hooks is not None and hooks[0].__module__ == "torch.utils.checkpoint"
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

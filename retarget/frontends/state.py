@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from retarget.frontends.state_layers import narrow, widen
 from retarget.frontends.state_layout import (
@@ -171,6 +172,22 @@ def on_copies(
     return pure, tensors, commit
 
 
+def checkpointed_call(
+    forward: Callable[..., Any], args: tuple, kwargs: dict, **options: Any
+) -> Any:
+    """`forward(*args, **kwargs)` under non-reentrant torch.utils.checkpoint, cache-safe.
+
+    With a stateful argument the checkpointed function is pure in it (`on_copies`): the
+    recompute sees the cache as the forward did, and the live cache is updated once.
+    """
+    options = {"use_reentrant": False, "preserve_rng_state": True, **options}
+    stateful = on_copies(forward, args, kwargs)
+    if stateful is None:
+        return checkpoint(forward, *args, **options, **kwargs)
+    pure, tensors, commit = stateful
+    return commit(checkpoint(pure, tensors, *args, **options, **kwargs))
+
+
 def functional_view(module: nn.Module, forward: Callable[..., Any], state: StateCall) -> nn.Module:
     """A module sharing `module`'s state whose forward is `forward` made functional in the state.
 
@@ -201,6 +218,7 @@ def functional_view(module: nn.Module, forward: Callable[..., Any], state: State
 __all__ = [
     "STATE_MARKER",
     "StateCall",
+    "checkpointed_call",
     "copy_state_args",
     "describe_state",
     "find_state",

@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import noop_context_fn
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import with_mixin
 from retarget.core.slots import CHECKPOINT, REGION
-from retarget.frontends.state import on_copies
+from retarget.frontends.state import checkpointed_call
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.memory.activation_profile import (
@@ -246,15 +246,9 @@ class CheckpointedModule(nn.Module):
         if region is not None:
             region.graph_for(self, args, kwargs)  # a new signature is captured out here
         setting: BlockCheckpoint = CHECKPOINT.get(self)
-        options = {"use_reentrant": False, "preserve_rng_state": True}
-        options["context_fn"] = setting.context_fn(self)
-        stateful = on_copies(forward, args, kwargs)
-        if stateful is None:
-            return checkpoint(forward, *args, **options, **kwargs)
         # A KV cache among the inputs: the recompute must see it as the forward did and must
-        # not update it a second time, so the checkpointed function is pure in the cache.
-        pure, tensors, commit = stateful
-        return commit(checkpoint(pure, tensors, *args, **options, **kwargs))
+        # not update it a second time; checkpointed_call makes the function pure in the cache.
+        return checkpointed_call(forward, args, kwargs, context_fn=setting.context_fn(self))
 
 
 @contextlib.contextmanager
