@@ -321,11 +321,6 @@ def test_bert_attention_implementations(attention):
     assert compiled.config._attn_implementation == attention
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="export, fx and dynamo graphs drop a checkpoint called inside the block (33 saved "
-    "tensors instead of 6); see the notes of branch h-wrap",
-)
 def test_torch_checkpoint_inside_a_users_block():
     factory = block_stack(CheckpointedBlock)
     compiled = assert_trains_like_eager(factory, vector_inputs()[:1])
