@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,3 +81,21 @@ def interleaved_medians(
     finally:
         torch.set_num_threads(before)
     return {name: statistics.median(s[-rounds:]) for name, s in seconds.items()}
+
+
+def source_revision() -> dict[str, Any]:
+    """The commit measured, and whether retarget/ differed from it (others edit concurrently)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "retarget_dirty": bool(git("status", "--porcelain", "--", "retarget")),
+        }
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "retarget_dirty": None}

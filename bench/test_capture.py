@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import date
@@ -27,6 +26,7 @@ import common
 import pytest
 import torch
 import transformers
+from common import source_revision
 
 from retarget.driver.compile import compile_for
 
@@ -50,24 +50,6 @@ def llama(layers: int, hidden: int = 512, intermediate: int = 1376, heads: int =
     return common.llama(
         layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, vocab=VOCAB
     )
-
-
-def source_revision() -> dict[str, Any]:
-    """The commit measured, and whether retarget/ differed from it (others edit concurrently)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "retarget_dirty": bool(git("status", "--porcelain", "--", "retarget")),
-        }
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "retarget_dirty": None}
 
 
 def example_inputs() -> dict[str, torch.Tensor]:

@@ -79,3 +79,83 @@ def test_cli_reads_figures_without_running(tmp_path, monkeypatch, capsys):
             return
     assert main(["bench", "--no-run", "--plot", str(where / "x.png")]) == 0
     assert (where / "x.png").stat().st_size > 0
+
+
+def _coverage(where: Path) -> None:
+    models = [
+        {
+            "model": "llama",
+            "class": "LlamaForCausalLM",
+            "regions": 1,
+            "repeats": 2,
+            "captured": 1,
+            "frontends": ["export"],
+            "blocks": ["LlamaDecoderLayer"],
+            "capture_seconds": 0.5444,
+            "compile_seconds": 0.6,
+            "bitwise": True,
+            "note": "",
+        },
+        {
+            "model": "t5",
+            "class": "T5ForConditionalGeneration",
+            "regions": 2,
+            "repeats": 4,
+            "captured": 1,
+            "frontends": ["eager", "export"],
+            "blocks": ["T5Block", "T5LayerFF"],
+            "capture_seconds": 1.0,
+            "compile_seconds": 1.2,
+            "bitwise": False,
+            "note": "decoder.block.*: export: a | b",
+        },
+        {"model": "falcon", "error": "RuntimeError: boom", "bitwise": False},
+    ]
+    data = {
+        "date": "2026-11-24",
+        "source": {"commit": "0123456789abcdef", "retarget_dirty": False},
+        "zoo": "the zoo",
+        "machine": {"platform": "Linux", "cpus": 2, "torch": "2.13", "transformers": "5.23"},
+        "target": "single",
+        "models": models,
+    }
+    (where / "coverage.json").write_text(json.dumps(data))
+
+
+def test_coverage_rows_say_captured_frontends_seconds_and_bitwise(tmp_path):
+    where = _bench_dir(tmp_path)
+    _coverage(where)
+    rows = bench.collect(bench.select(["coverage"], quick=False), where)
+    assert rows == [
+        ("coverage", "llama", "1/1 regions (2 repeats) by export, 0.54 s, bitwise"),
+        ("coverage", "t5", "1/2 regions (4 repeats) by eager+export, 1.00 s, NOT bitwise"),
+        ("coverage", "falcon", "error: RuntimeError: boom"),
+    ]
+    # Its own table, not rows of the full one.
+    assert all(r[0] != "coverage" for r in bench.collect(bench.table_suites(), where))
+
+
+def test_coverage_table_has_its_section_and_leaves_the_full_table_alone(tmp_path, monkeypatch):
+    where = _bench_dir(tmp_path)
+    readme = where / "README.md"
+    bench.write_readme(bench.collect(bench.table_suites(), where), readme)
+    full = readme.read_text().replace("Date: ", "Date: 1999-01-01, was ")  # a rewrite shows
+    readme.write_text(full)
+    _coverage(where)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--no-run", "coverage", "--write-readme"]) == 0
+    assert main(["bench", "--no-run", "coverage", "--write-readme"]) == 0  # replaces
+    text = readme.read_text()
+    begin, end = bench.section_markers(bench.SUITES["coverage"])
+    assert text.count(begin) == 1 and text.count(end) == 1
+    section = text.partition(begin)[2].partition(end)[0]
+
+    def full_table(readme_text: str) -> str:
+        return readme_text.partition(bench.BEGIN)[2].partition(bench.END)[0]
+
+    assert full_table(text) == full_table(full) != ""  # the full table and its date untouched
+    assert "Commit: 0123456. Target: single. Models: the zoo." in section
+    llama = "| llama | LlamaForCausalLM | 1 (LlamaDecoderLayer) | 1/1 regions (2 repeats) |"
+    assert llama in section
+    assert "| 1.00 | no | decoder.block.*: export: a \\| b |" in section  # pipes escaped
+    assert "| falcon |" in section and "error: RuntimeError: boom" in section

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from retarget.cli.bench_coverage import coverage_markdown, coverage_rows
 from retarget.cli.commands import CliError, Handler, command
 
 BEGIN = "<!-- retarget bench table: begin -->"
@@ -49,6 +50,9 @@ class Suite:
     in_quick: bool = False
     needs: tuple[str, ...] = ()
     """Importable modules the suite needs (else it is skipped with the reason)."""
+    section: Callable[[dict[str, Any]], str] | None = None
+    """A suite with its own table in bench/README.md (markdown from its JSON), between its own
+    markers, instead of rows in the full table."""
 
 
 def _capture_rows(d: dict) -> list[Row]:
@@ -143,6 +147,13 @@ SUITES: dict[str, Suite] = {
             rows=_peer_rows,
             needs=("accelerate",),
         ),
+        Suite(
+            name="coverage",
+            file="test_coverage.py",
+            results="coverage.json",
+            rows=coverage_rows,
+            section=coverage_markdown,
+        ),
     )
 }
 
@@ -236,20 +247,48 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def section_markers(suite: Suite) -> tuple[str, str]:
+    return (
+        f"<!-- retarget bench {suite.name} table: begin -->",
+        f"<!-- retarget bench {suite.name} table: end -->",
+    )
+
+
+def _replace_block(text: str, begin: str, end: str, body: str, heading: str) -> str:
+    """`body` between the markers; a new block goes under `heading` after the title line."""
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        return head + block + tail
+    first, _, rest = text.partition("\n")
+    return f"{first}\n\n{heading}\n\n{block}\n{rest}"
+
+
 def write_readme(rows: list[Row], readme: Path) -> None:
     """Replace the table between the markers in bench/README.md (added at the top if absent)."""
     text = readme.read_text() if readme.is_file() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{markdown(rows)}\n{END}"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + block + tail
-    else:
-        first, _, rest = text.partition("\n")
-        text = (
-            f"{first}\n\n## Latest full table (`retarget bench --write-readme`)\n\n{block}\n{rest}"
-        )
-    readme.write_text(text)
+    heading = "## Latest full table (`retarget bench --write-readme`)"
+    readme.write_text(_replace_block(text, BEGIN, END, markdown(rows), heading))
+
+
+def write_section(suite: Suite, bench: Path) -> bool:
+    """Write `suite`'s own table from its JSON into bench/README.md; False if it has no JSON."""
+    path = bench / suite.results
+    if suite.section is None or not path.is_file():
+        return False
+    readme = bench / "README.md"
+    text = readme.read_text() if readme.is_file() else "# Benchmarks\n"
+    begin, end = section_markers(suite)
+    heading = f"## {suite.name.capitalize()} (`retarget bench {suite.name} --write-readme`)"
+    body = suite.section(json.loads(path.read_text()))
+    readme.write_text(_replace_block(text, begin, end, body, heading))
+    return True
+
+
+def table_suites() -> list[Suite]:
+    """The suites whose rows make the full table (the others have a section of their own)."""
+    return [s for s in SUITES.values() if s.section is None]
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -309,10 +348,16 @@ def bench_arguments(parser: argparse.ArgumentParser) -> Handler:
             rows = collect(list(SUITES.values()), where)
             print(table(rows))
             if args.write_readme:
-                write_readme(rows, where / "README.md")
-                print(f"wrote the table into {where / 'README.md'}")
+                # The full table is rewritten when a suite of it was selected; a suite with its
+                # own section (coverage) run alone leaves the full table and its date as they are.
+                if any(s.section is None for s in suites):
+                    write_readme(collect(table_suites(), where), where / "README.md")
+                    print(f"wrote the table into {where / 'README.md'}")
+                for suite in suites:
+                    if write_section(suite, where):
+                        print(f"wrote the {suite.name} table into {where / 'README.md'}")
             if args.plot:
-                plot(rows, Path(args.plot))
+                plot(collect(table_suites(), where), Path(args.plot))
                 print(f"wrote {args.plot}")
         except BenchError as exc:
             raise CliError(str(exc)) from None
