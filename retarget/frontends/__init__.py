@@ -33,6 +33,7 @@ from retarget.core.modules import original_class
 from retarget.frontends import dynamo, export, fx
 from retarget.frontends.binding import CapturedGraph, relink_attributes
 from retarget.frontends.check import check_against_eager
+from retarget.frontends.hf_paths import eager_paths
 from retarget.frontends.state import StateCall, find_state, functional_view
 from retarget.frontends.state_layers import layer_index
 
@@ -122,7 +123,7 @@ def capture_call(
         try:
             state = None if found is None else replace(found, after=None)
             traced = _traced_call(module, traced_args, traced_kwargs, state)
-            with quiet_tracer_logs():
+            with quiet_tracer_logs(), eager_paths():
                 graph = trace(*traced)
             graph.state = state
             graph.dynamic = _signature_positions(graph.dynamic_inputs, state)

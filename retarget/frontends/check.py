@@ -5,8 +5,9 @@ BatchNorm statistics are not advanced twice); afterwards RNG and buffers are put
 leaves no trace on training. Stateful arguments (KV caches) are copied for each run, and the
 objects they leave behind must be equal too: same structure, same tensors bit for bit.
 
-The eager run also notes whether the block checkpoints part of itself with
-torch.utils.checkpoint: tracers inline that, so the graph then runs under checkpoint as a whole
+Both run in the caller's grad mode (it is part of the call signature). The eager run also notes
+whether the block checkpoints part of itself with torch.utils.checkpoint (seen only with grad
+on): tracers inline that, so the graph then runs under checkpoint as a whole
 (`CapturedGraph.checkpointed`) to keep the user's memory saving.
 """
 
@@ -47,13 +48,12 @@ def check_against_eager(
     eager_args, eager_kwargs = copy_state_args(args, kwargs)
     graph_args, graph_kwargs = copy_state_args(args, kwargs)
     watch = CheckpointWatch()
-    with preserved_state(module), torch.no_grad():
-        # With grad on, as in training: checkpoint does nothing (and is not seen) without it.
-        with preserved_state(module), torch.enable_grad(), watch:
-            expected = tree_map_only(
-                torch.Tensor, torch.Tensor.detach, module.forward(*eager_args, **eager_kwargs)
-            )
-        got = graph.run(module, graph_args, graph_kwargs, private)
+    # Both runs in the caller's grad mode: some eager kernels (matmul's batch folding) pick
+    # another, not bit-identical, path without grad, and grad mode is part of the signature.
+    with preserved_state(module):
+        with preserved_state(module), watch:
+            expected = _detached(module.forward(*eager_args, **eager_kwargs))
+        got = _detached(graph.run(module, graph_args, graph_kwargs, private))
     mismatch = first_difference(expected, got)
     if mismatch:
         raise CaptureMismatch(f"graph output differs from eager: {mismatch}")
@@ -65,6 +65,10 @@ def check_against_eager(
     if mismatch:
         raise CaptureMismatch(f"the graph updates a stateful argument differently: {mismatch}")
     return watch.seen
+
+
+def _detached(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, tree)
 
 
 class CheckpointWatch(TorchFunctionMode):

@@ -124,10 +124,19 @@ def copy_state_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     skeletons, tensors = layout([leaves[i] for i in positions])
     with torch.no_grad():
-        clones = [t.detach().clone() for t in tensors]
+        clones = [_same_layout_copy(t) for t in tensors]
     for i, copy in zip(positions, rebuild(skeletons, clones), strict=True):
         leaves[i] = copy
     return tree_unflatten(leaves, spec)
+
+
+def _same_layout_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides (a cache slice that is a view of a longer tensor stays one:
+    kernels may take another path on another layout)."""
+    copy = torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device
+    )
+    return copy.copy_(tensor.detach())
 
 
 def state_objects(args: tuple, kwargs: dict) -> list[Any]:

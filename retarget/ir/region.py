@@ -226,6 +226,7 @@ def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     # Walked every call, not cached: passes may swap submodules after the first call.
     training = tuple(m.training for m in module.modules())
     autocast = (
+        torch.is_grad_enabled(),  # eager picks some kernels by it (matmul's batch folding)
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
         torch.is_autocast_enabled("cuda"),
