@@ -83,7 +83,12 @@ def quiet_tracer_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-_TRACER_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export")
+_TRACER_LOGGERS = (
+    "torch.fx.experimental.symbolic_shapes",
+    "torch._dynamo",
+    "torch.export",
+    "torch._export",
+)
 
 
 def one_line(exc: BaseException, limit: int = 200) -> str:
