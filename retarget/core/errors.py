@@ -27,5 +27,9 @@ class PassOrderError(ValueError):
     """A pass list breaks a declaration: a requirement unmet or met later, an `after` pass later."""
 
 
+class EagerRegionWarning(UserWarning):
+    """A region (or one of its call signatures) runs its eager form instead of its graph."""
+
+
 class TargetNotSupportedError(NotImplementedError):
     """A valid target part has no pass implementing it (yet): refused, never silently dropped."""

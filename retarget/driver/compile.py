@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import IO, Any
 
 from torch import nn
 
+from retarget.core.errors import EagerRegionWarning
 from retarget.core.modules import structural_copy, with_mixin
 from retarget.core.slots import PROGRAM
 from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
+from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.manager import PassManager
 from retarget.passes.pipeline import build_pipeline
@@ -78,10 +81,32 @@ def compile_for(
         world=World.resolve(world_size),
     )
     PROGRAM.set(root, program)
-    manager.run(program)
+    with users_hooks_set_aside(model, root):  # compile_for's probes are not the user's calls
+        manager.run(program)
+    warn_eager_regions(program)
     # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
     apply_plan(program)
     return root
+
+
+def warn_eager_regions(program: Program) -> None:
+    """One warning naming every region left eager, and the passes that fell back with it."""
+    eager = [r for r in program.regions if r.eager_only]
+    if not eager:
+        return
+    parts = []
+    for region in eager:
+        passes = sorted({name for name, _ in region.eager_forms})
+        fallback = f"; passes in their eager form: {', '.join(passes)}" if passes else ""
+        parts.append(f"{region.name} ({region.reason}{fallback})")
+    warnings.warn(
+        f"retarget: {len(eager)} region(s) run eagerly, not as captured graphs: "
+        + "; ".join(parts)
+        + ". Graph rewrites apply there in their module-level form; compiled.report has the "
+        "detail",
+        EagerRegionWarning,
+        stacklevel=3,
+    )
 
 
 def _resolve_target(target: str | Target | None, world_size: int | None) -> Target:

@@ -11,6 +11,7 @@ rewrite on every later capture.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +21,14 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from retarget.core.capturing import capturing_originals
-from retarget.core.errors import PassError
+from retarget.core.errors import EagerRegionWarning, PassError
 from retarget.core.slots import BINDINGS, PATH, REGION
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
 from retarget.frontends.check import check_against_eager
 from retarget.frontends.state import describe_state
 from retarget.frontends.state_layers import layer_index
 from retarget.frontends.state_layout import is_state
+from retarget.ir.hooks import hook_inside, users_hooks_set_aside
 
 PENDING = "pending"
 GraphTransform = Callable[[fx.GraphModule], None]
@@ -57,6 +59,11 @@ class Region:
     dynamic_graphs: list[CapturedGraph] = field(default_factory=list, repr=False)
     reuses: int = 0
     """Signatures served by a graph with symbolic sizes instead of a new capture."""
+    hooked: dict[str, str] = field(default_factory=dict)
+    """Submodule path -> user hook kind that made calls run eagerly (see `ir/hooks.py`)."""
+    eager_signatures: list[str] = field(default_factory=list)
+    """Why each signature that failed to capture after the first one did (it runs eagerly)."""
+    warned: set = field(default_factory=set, repr=False)
 
     @property
     def repeats(self) -> int:
@@ -68,12 +75,14 @@ class Region:
     ) -> CapturedGraph | None:
         """Capture the call for `module`'s signature (checked on `check` repeats too)."""
         with running_eagerly((module, *check)), capturing_originals():
-            result = capture_call(
-                module, args, kwargs, frontends=self.frontends, check_modules=check
-            )
+            with users_hooks_set_aside(module, *check):
+                result = capture_call(
+                    module, args, kwargs, frontends=self.frontends, check_modules=check
+                )
             if result.graph is None and check and _mismatch_only(result.failures):
                 # The graph is wrong for another repeat: repeats differ (layer-index code, say).
-                result = capture_call(module, args, kwargs, frontends=self.frontends)
+                with users_hooks_set_aside(module):
+                    result = capture_call(module, args, kwargs, frontends=self.frontends)
                 if result.graph is not None:
                     self.shared = False
                     self.reason = "repeats compute differently; one graph per repeat"
@@ -84,6 +93,14 @@ class Region:
                 self.frontend, self.eager_only = EAGER, True
                 self.failures = result.failures
                 self.reason = result.reason
+            else:  # a later signature: the region keeps its graphs, this call runs eagerly
+                self.eager_signatures.append(result.reason)
+                self._warn_once(
+                    ("signature",),
+                    f"retarget: a new call signature of region {self.name} could not be "
+                    f"captured and runs eagerly ({result.reason}); other signatures keep their "
+                    "graphs; compiled.report shows each",
+                )
             return None
         if not self.graphs:
             self.frontend, self.failures = result.frontend, result.failures
@@ -162,13 +179,33 @@ class Region:
         self.version += 1
         return len(graphs)
 
+    def _note_hook(self, path: str, kind: str) -> None:
+        if path not in self.hooked:
+            self.hooked[path] = kind
+            self._warn_once(
+                (path, kind),
+                f"retarget: region {self.name} runs its eager form while a {kind} on {path} "
+                "exists (a captured graph has no module boundaries to call it at); it runs its "
+                "graph again once the hook is removed",
+            )
+
+    def _warn_once(self, key: tuple, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, EagerRegionWarning, stacklevel=5)
+
     def representative(self) -> CapturedGraph | None:
         """The first graph captured (what reports and dumps show)."""
         return next(iter(self.graphs.values()), None)
 
     # -- running --------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict, eager: Callable) -> Any:
-        graph = self.graph_for(module, args, kwargs)
+        hooked = hook_inside(module)
+        if hooked is not None:  # a graph would skip the hook: run the eager form meanwhile
+            self._note_hook(*hooked)
+            graph = None
+        else:
+            graph = self.graph_for(module, args, kwargs)
         if graph is None:
             for _, wrap in self.eager_forms:
                 eager = wrap(eager)

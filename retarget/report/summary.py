@@ -39,6 +39,10 @@ class Report:
                     "paths": list(r.paths),
                     "shared_graph": r.shared,
                     "signatures": len(r.graphs),
+                    "graphs": len(r.distinct_graphs()),
+                    "dynamic_reuses": r.reuses,
+                    "eager_signatures": list(r.eager_signatures),
+                    "eager_while_hooked": dict(r.hooked),
                     "capture_seconds": round(r.capture_seconds, 4),
                 }
                 for r in p.regions
@@ -67,6 +71,7 @@ class Report:
         for r in d["regions"]:
             rows.append((r["name"], r["block_type"], str(r["repeats"]), r["frontend"], r["reason"]))
         lines += _table(rows)
+        lines += _region_events(d["regions"])
         lines += ["", "passes"]
         rows = [("pass", "changed", "seconds", "stats / notes")]
         for record in d["passes"]:
@@ -114,6 +119,25 @@ def _fp8_decision(decision: dict[str, Any] | None) -> str:
     if decision["swapped"]:
         return f"swapped ({decision.get('class', 'fp8')})"
     return f"kept: {decision['rule']}"
+
+
+def _region_events(regions: list[dict[str, Any]]) -> list[str]:
+    """What happened to regions after capture: eager calls (and why), graphs reused by size."""
+    lines = []
+    for r in regions:
+        for path, kind in r["eager_while_hooked"].items():
+            lines.append(f"  {r['name']}: eager while a {kind} on {path} exists")
+        if r["eager_signatures"]:
+            lines.append(
+                f"  {r['name']}: {len(r['eager_signatures'])} call signature(s) eager: "
+                + r["eager_signatures"][0]
+            )
+        if r["dynamic_reuses"]:
+            lines.append(
+                f"  {r['name']}: {r['graphs']} graph(s) serve {r['signatures']} signatures "
+                f"({r['dynamic_reuses']} reused with symbolic sizes)"
+            )
+    return lines
 
 
 def _table(rows: list[tuple[str, ...]], limit: int = 90) -> list[str]:
