@@ -228,3 +228,14 @@ def test_decode_steps_reuse_one_graph_with_symbolic_lengths() -> None:
     assert region.captures - before <= 2
     assert region.reuses >= 10
     assert any(graph.dynamic for graph in region.distinct_graphs())
+
+
+def test_static_cache_decodes_with_one_graph() -> None:
+    model, reference = _llama().eval(), _llama().eval()
+    ids = _ids(batch=1, seq=5)
+    compiled = compile_for(model, "single", example_inputs={"input_ids": ids})
+    (region,) = compiled.program.regions
+    options = {"max_new_tokens": 10, "do_sample": False, "cache_implementation": "static"}
+    assert torch.equal(compiled.generate(ids, **options), reference.generate(ids, **options))
+    assert not region.eager_keys and not region.eager_signatures
+    assert len(region.distinct_graphs()) <= 3  # training, prefill, one for every decode step

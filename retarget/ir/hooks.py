@@ -67,6 +67,22 @@ def hook_inside(module: nn.Module) -> tuple[str, str] | None:
     return None
 
 
+#: Hook dicts whose user hooks are set aside right now: id(dict) -> the parked (key, hook) pairs.
+_PARKED: dict[int, list[tuple[int, Any]]] = {}
+
+
+def users_hook_kinds(module: nn.Module) -> list[str]:
+    """The kinds of user hook `module` has, counting those set aside while compile_for runs."""
+    kinds = []
+    for attribute, kind in HOOK_KINDS:
+        hooks = module.__dict__.get(attribute)
+        if hooks is None:
+            continue
+        if any(is_users(h) for h in hooks.values()) or _PARKED.get(id(hooks)):
+            kinds.append(kind)
+    return kinds
+
+
 @contextlib.contextmanager
 def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
     """Remove the user's hooks from every module under `roots` (and the global ones) meanwhile.
@@ -88,13 +104,22 @@ def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
             del hooks[key]
         if users:
             parked.append((hooks, users))
+            _PARKED[id(hooks)] = users
     try:
         yield
     finally:
         for hooks, users in parked:
+            _PARKED.pop(id(hooks), None)
             merged = sorted([*hooks.items(), *users], key=lambda item: item[0])
             hooks.clear()
             hooks.update(OrderedDict(merged))
 
 
-__all__ = ["GLOBAL_KINDS", "HOOK_KINDS", "hook_inside", "is_users", "users_hooks_set_aside"]
+__all__ = [
+    "GLOBAL_KINDS",
+    "HOOK_KINDS",
+    "hook_inside",
+    "is_users",
+    "users_hook_kinds",
+    "users_hooks_set_aside",
+]

@@ -52,6 +52,7 @@ from retarget.core.capturing import capturing
 from retarget.core.modules import with_mixin
 from retarget.core.slots import CHECKPOINT, REGION
 from retarget.frontends.state import checkpointed_call
+from retarget.ir.hooks import users_hook_kinds
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.memory.activation_profile import (
@@ -314,10 +315,11 @@ def _guard_notes(program: Program, plan: dict[str, str]) -> list[str]:
         hooked = [
             name
             for name, m in module.named_modules()
-            if name and (m._forward_hooks or m._forward_pre_hooks)
+            if name and {"forward hook", "forward pre-hook"} & set(users_hook_kinds(m))
         ]
-        region = program.region_of(path)
-        if hooked and (region is None or region.eager_only):
+        # A user hook inside a block makes its region run eagerly (ir/hooks.py), so the
+        # recompute calls the hook again whether or not the block was captured.
+        if hooked:
             notes.append(
                 f"{path}: forward hooks on {', '.join(hooked)} run again when backward "
                 "recomputes the block"
