@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from retarget.core.errors import EagerRegionWarning
 from retarget.driver.compile import compile_for
 from retarget.frontends.state_layout import layout
 from retarget.models.hf_zoo import GENERATING, HF_ZOO, hf_model
@@ -68,6 +69,33 @@ def test_default_config_is_captured_and_bitwise(name: str) -> None:
         assert torch.equal(want.logits, got.logits)
         _same_cache(getattr(want, "past_key_values", None), getattr(got, "past_key_values", None))
     _assert_captured(compiled, entry)
+    _hooks_fire_as_in_eager(reference, compiled, inputs)
+
+
+def _hooks_fire_as_in_eager(reference, compiled, inputs) -> None:
+    """A forward hook inside the first region sees what it sees in eager, call for call."""
+    region = compiled.program.regions[0]
+    path = next(
+        f"{region.paths[0]}.{name}".lstrip(".")
+        for name, module in compiled.get_submodule(region.paths[0]).named_modules()
+        if name and not list(module.children()) and list(module.parameters())
+    )
+    seen: dict[str, list[torch.Tensor]] = {"eager": [], "compiled": []}
+    handles = []
+    for tag, root in (("eager", reference), ("compiled", compiled)):
+
+        def hook(module, args, output, tag=tag):
+            seen[tag].append(output.detach().clone())
+
+        handles.append(root.get_submodule(path).register_forward_hook(hook))
+    with pytest.warns(EagerRegionWarning, match=path.split(".")[-1]):
+        want, got = _forward(reference, inputs), _forward(compiled, inputs)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(want.logits, got.logits)
+    assert len(seen["compiled"]) == len(seen["eager"]) >= 1, path
+    assert all(map(torch.equal, seen["eager"], seen["compiled"]))
+    assert path.removeprefix(region.paths[0] + ".") in region.hooked
 
 
 #: bf16 is checked on the models the issue names; retarget's bf16 keeps fp32 islands (norms,
