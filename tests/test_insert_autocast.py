@@ -198,7 +198,7 @@ def test_region_matmuls_run_in_bf16_norm_islands_in_fp32_and_outputs_leave_in_fp
     model, compiled = compiled_zoo("tiny_llama")
     _, args, kwargs = first_block_call(model, ZOO["tiny_llama"].inputs(2), "LlamaDecoderLayer")
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         out = compiled.model.layers[0](*args, **kwargs)
     assert recorder.dtypes_of(*MATMULS) == {torch.bfloat16}
     # Llama's RMSNorm (pow -> mean -> add -> rsqrt) is a norm island.
@@ -215,7 +215,7 @@ def test_softmax_and_layer_norm_islands_run_in_fp32_and_keep_fp32_is_honoured():
     ):
         _, compiled = stack(AttentionBlock, target)
         recorder = DtypeRecorder()
-        with recorder, torch.no_grad():
+        with recorder:  # grad on: the signature compile_for captured
             out = compiled(x)
         assert recorder.dtypes_of(*MATMULS) == {torch.bfloat16}
         assert recorder.dtypes_of("_softmax") == {softmax_dtype}, target
@@ -229,7 +229,7 @@ def test_softmax_and_layer_norm_islands_run_in_fp32_and_keep_fp32_is_honoured():
 def test_cnn_islands_see_fp32_after_bf16_layers(name, island):
     _, compiled = compiled_zoo(name)
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         compiled(ZOO[name].inputs(2))
     assert recorder.dtypes_of("convolution") == {torch.bfloat16}
     assert recorder.dtypes_of(island) == {torch.float32}
@@ -239,7 +239,7 @@ def test_glue_lm_head_runs_in_bf16_and_the_loss_in_fp32():
     model, compiled = compiled_zoo("tiny_llama")
     hidden = torch.randn(2, SEQ, model.config.hidden_size)
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         logits = compiled.lm_head(hidden)
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16}
     assert logits.dtype == torch.float32
@@ -253,7 +253,7 @@ def test_uncapturable_regions_run_their_eager_forward_under_autocast():
     (region,) = compiled.program.regions
     assert region.frontend == "eager"
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         out = compiled.blocks[0](torch.randn(2, 16))
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16}
     assert out.dtype == torch.float32
@@ -274,7 +274,7 @@ def test_autocast_eval_decides_the_precision_of_eval_mode(autocast_eval):
         call(compiled, entry.inputs(2))  # captures the eval-mode signature (and checks it in fp32)
         expected = call(model, entry.inputs(2)).loss
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder, torch.no_grad():  # the eval signature captured just above
         got = call(compiled, entry.inputs(2)).loss
     eval_dtype = torch.bfloat16 if autocast_eval else torch.float32
     assert recorder.dtypes_of(*MATMULS) == {eval_dtype}
@@ -282,7 +282,7 @@ def test_autocast_eval_decides_the_precision_of_eval_mode(autocast_eval):
         assert torch.equal(got, expected), "eval mode must be exactly fp32"
     compiled.train()
     train_recorder = DtypeRecorder()
-    with train_recorder, torch.no_grad():
+    with train_recorder:
         call(compiled, entry.inputs(2))
     assert torch.bfloat16 in train_recorder.dtypes_of(*MATMULS)
 
@@ -355,7 +355,7 @@ def test_dynamo_graphs_are_rewritten_by_the_same_tables():
     assert region.frontend == "dynamo"
     assert autocast_record(compiled).stats["regions"]["blocks.*"]["lowered_ops"] == {"linear": 2}
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         out = compiled.blocks[0](torch.randn(2, 16))
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16} and out.dtype == torch.float32
     json.dumps(compiled.report.to_dict())
@@ -409,7 +409,7 @@ def test_a_graph_that_calls_linear_modules_runs_them_under_autocast():
     rewrite_graph(gm, options=AutocastOptions())
     assert type(gm.fc1).__name__ == "AutocastLinear" and gm.meta["autocast"]["lowered"] == 2
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         out = gm(torch.randn(2, 8))
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16}
     assert out.dtype == torch.float32
@@ -427,7 +427,7 @@ def test_bf16_with_fp8_leaves_fp8_linears_alone_and_runs_the_kept_ones_in_bf16()
     assert autocast == set(linears) - fp8  # kept Linears: glue lm_head and routed region calls
     kept = compiled.get_submodule(sorted(autocast - {"lm_head"})[0])
     recorder = DtypeRecorder()
-    with recorder, torch.no_grad():
+    with recorder:  # grad on: the signature compile_for captured
         out = kept(torch.randn(2, kept.in_features))
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16} and out.dtype == torch.float32
     loss, _ = step(model, entry.inputs(2), backward=False)
