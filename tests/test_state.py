@@ -239,3 +239,9 @@ def test_static_cache_decodes_with_one_graph() -> None:
     assert torch.equal(compiled.generate(ids, **options), reference.generate(ids, **options))
     assert not region.eager_keys and not region.eager_signatures
     assert len(region.distinct_graphs()) <= 3  # training, prefill, one for every decode step
+
+
+def test_verify_compares_a_returned_cache_by_what_it_holds() -> None:
+    ids = _ids()
+    compiled = compile_for(_llama(), "single", example_inputs={"input_ids": ids}, verify=True)
+    assert all(not r.eager_only for r in compiled.program.regions)
