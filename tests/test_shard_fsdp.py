@@ -102,8 +102,11 @@ def test_bad_fsdp_settings_are_refused_with_the_fix():
 
 
 def test_whole_model_capture_leaves_the_root_as_the_only_unit():
+    model = zoo.tiny_llama()
+    # capture='whole' of an HF decoder that returns its cache is not captured (known gap)
+    model.config.use_cache = False
     compiled = retarget.compile_for(
-        zoo.tiny_llama(), "fsdp", example_inputs=zoo.lm_inputs(), capture="whole", world_size=2
+        model, "fsdp", example_inputs=zoo.lm_inputs(), capture="whole", world_size=2
     )
     assert [u.path for u in compiled.program.plan.fsdp.units] == [""]
     notes = next(r.notes for r in compiled.history if r.name == "shard_fsdp")

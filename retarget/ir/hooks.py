@@ -36,9 +36,11 @@ GLOBAL_KINDS = (
     ("_global_backward_pre_hooks", "global backward pre-hook"),
     ("_global_backward_hooks", "global backward hook"),
 )
-#: Modules whose hooks are not the user's. Other torch hooks (weight_norm's pre-hook, say) count
-#: as the user's: a graph would skip them, so they too keep a region eager.
-_NOT_USERS = ("retarget.", "torch.distributed.")
+#: Modules whose hooks are not the user's: ours, torch.distributed's, and torch's module tracker
+#: (FlopCounterMode and memory tools install it as global hooks only to attribute ops to modules;
+#: inside a graph the ops count toward the region's module). Other torch hooks (weight_norm's
+#: pre-hook, say) count as the user's: a graph would skip them, so they keep a region eager.
+_NOT_USERS = ("retarget.", "torch.distributed.", "torch.utils.module_tracker")
 
 
 def is_users(hook: Callable[..., Any]) -> bool:

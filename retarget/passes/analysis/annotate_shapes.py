@@ -138,10 +138,17 @@ class _Replay:
         for paths in self.groups:
             first = paths[0]
 
-            def keep(module, args, kwargs, output, first=first):
-                self.first.setdefault(first, (call_key(module, args, kwargs), output))
+            keys: dict[str, Any] = {}
+
+            def key_before(module, args, kwargs, first=first, keys=keys):
+                # Before the call: the block updates a KV cache among its arguments.
+                keys.setdefault(first, call_key(module, args, kwargs))
+
+            def keep(module, args, kwargs, output, first=first, keys=keys):
+                self.first.setdefault(first, (keys[first], output))
 
             module = self.model.get_submodule(first)
+            self.handles.append(module.register_forward_pre_hook(key_before, with_kwargs=True))
             self.handles.append(module.register_forward_hook(keep, with_kwargs=True))
             for path in paths[1:]:
                 later = self.model.get_submodule(path)
