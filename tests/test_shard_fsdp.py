@@ -168,6 +168,7 @@ def _fsdp_ranks(rank, world):
     out["fsdp"] = max_difference(model, reference)
     out["same_optimizer"] = prepared is optimizer
     out["signatures"] = len(model.program.regions[0].graphs)
+    out["eager_signatures"] = model.program.regions[0].eager_signatures
     out["dtensor"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
     out["keys"] = list(model.state_dict()) == list(reference.state_dict())
     out["isinstance"] = isinstance(model, (type(reference), retarget.CompiledModule))
@@ -241,7 +242,7 @@ def test_fsdp_variants_on_two_ranks_match_one_process():
         assert out["hsdp[replicate=2,shard=1] mesh"].endswith("(mesh (2, 1))")
         assert out["same_optimizer"] and out["dtensor"] and out["keys"] and out["isinstance"]
         assert out["unwrapped"]
-        assert out["signatures"] == 2  # batch 2 per rank, then 3
+        assert out["signatures"] == 2, out["eager_signatures"]  # batch 2 per rank, then 3
         mine, planned = out["per_rank"]
         assert mine == planned
         assert "FSDP replaced by shards" in out["stale"] and "prepare(optimizer)" in out["stale"]

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from retarget.core.modules import original_class
 from retarget.frontends.state_layers import narrow, widen
 from retarget.frontends.state_layout import (
     Skeleton,
@@ -219,9 +220,10 @@ def functional_view(module: nn.Module, forward: Callable[..., Any], state: State
         state.after, tensors_after = layout(objects)
         return output, tensors_after
 
-    cls = type(module)
+    # On the user's class, not the live one: FSDP2's class (fully_shard) cannot be subclassed.
+    cls = original_class(module)
     view_cls = type(f"Functional{cls.__name__}", (cls,), {"forward": functional})
-    view = view_cls.__new__(view_cls)
+    view = object.__new__(view_cls)
     view.__dict__ = module.__dict__
     return view
 
