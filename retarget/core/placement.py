@@ -53,7 +53,7 @@ def parse_bytes(size: int | str, *, what: str = "size") -> int:
     if not match or unit.upper() not in _UNITS or unit[-1] == "b":
         raise PlacementError(
             f"{what}={size!r} is not a size: use an int (bytes) or a string such as '70MB', "
-            "'10GB' (powers of 10) or '2GiB' (powers of 2)"
+            "'10GB' (powers of 10) or '2GiB' (powers of 2); a lowercase 'b' (bits) is not accepted"
         )
     return int(float(match.group(1)) * _UNITS[unit.upper()])
 
