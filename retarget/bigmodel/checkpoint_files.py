@@ -10,11 +10,17 @@ Layouts understood (`checkpoint` is a file or a folder):
 Only headers are read here (safetensors' JSON header; a .bin is opened with `mmap=True`, so its
 tensors are not read either): shapes and dtypes are known before a single tensor is loaded, so
 every bad input is refused before the model is touched.
+
+A safetensors tensor is read with one `readinto` into memory the tensor owns. Not through
+`safe_open(...).get_tensor`: in safetensors 0.8 that returns a tensor backed by the file's
+memory map (docs/facts.md), so a model loaded that way would hold pages of a file that a later
+save into the same folder may truncate or rewrite under it.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
@@ -54,6 +59,9 @@ class StoredTensor:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0
+    """Byte offset of the data in a safetensors file."""
+    nbytes: int = 0
 
     @property
     def is_safetensors(self) -> bool:
@@ -121,15 +129,7 @@ def _read_index(index_path: Path) -> CheckpointFiles:
 
 def _read_header(path: Path) -> dict[str, StoredTensor]:
     if path.suffix == ".safetensors":
-        with safe_open(path, framework="pt") as handle:
-            out = {}
-            for key in handle.keys():
-                part = handle.get_slice(key)
-                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
-                if dtype is None:
-                    raise CheckpointError(f"{path}: {key!r} has dtype {part.get_dtype()}, unknown")
-                out[key] = StoredTensor(path, key, dtype, tuple(part.get_shape()))
-            return out
+        return _read_safetensors_header(path)
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
@@ -138,6 +138,31 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def _read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        try:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+        except (struct.error, ValueError) as error:
+            raise CheckpointError(f"{path} is not a safetensors file: {error}") from error
+    start = 8 + length
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: {key!r} has dtype {entry['dtype']}, unknown here")
+        begin, end = entry["data_offsets"]
+        if start + end > size:
+            raise CheckpointError(f"{path}: {key!r} ends past the end of the file (truncated?)")
+        out[key] = StoredTensor(path, key, dtype, tuple(entry["shape"]), start + begin, end - begin)
+    return out
 
 
 class TensorReader:
@@ -151,13 +176,26 @@ class TensorReader:
         handle = self._open.get(stored.file)
         if handle is None:
             if stored.is_safetensors:
-                handle = self._stack.enter_context(safe_open(stored.file, framework="pt"))
+                handle = self._stack.enter_context(open(stored.file, "rb", buffering=0))
             else:
                 handle = torch.load(stored.file, map_location="cpu", weights_only=True, mmap=True)
             self._open[stored.file] = handle
-        if stored.is_safetensors:
-            return handle.get_tensor(stored.key)
-        return handle[stored.key]
+        if not stored.is_safetensors:
+            return handle[stored.key].clone()  # its own memory, not the file's map
+        tensor = torch.empty(stored.shape, dtype=stored.dtype)
+        view = tensor.view(-1).view(torch.uint8).numpy() if stored.nbytes else None
+        handle.seek(stored.offset)
+        got = 0
+        while got < stored.nbytes:  # one read(2) returns at most about 2 GiB
+            count = handle.readinto(view[got:])
+            if not count:
+                break
+            got += count
+        if got != stored.nbytes:
+            raise CheckpointError(
+                f"{stored.file}: read {got} of {stored.nbytes} bytes of {stored.key!r}"
+            )
+        return tensor
 
 
 @contextmanager

@@ -111,8 +111,6 @@ def load_checkpoint_in_model(
                 value = reader.read(group.stored)
                 if value.dtype != group.dtype:
                     value = value.to(group.dtype)
-                elif not group.stored.is_safetensors:
-                    value = value.clone()  # not the file's memory map
                 done += _set_tensor(model, group, value.to(group.device))
     except Exception as error:
         metas: dict[int, torch.Tensor] = {}

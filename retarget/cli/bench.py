@@ -109,6 +109,27 @@ def _peer_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _big_load_rows(d: dict) -> list[Row]:
+    growth = d["peak_rss_growth / weights"]
+    return [
+        (
+            "big-model load",
+            "empty init + load: time / plain + load_state_dict",
+            f"{d['time_ratio empty_init/plain']:.2f}x",
+        ),
+        (
+            "big-model load",
+            "empty init + load: peak RSS / plain + load_state_dict",
+            f"{d['peak_rss_ratio empty_init/plain']:.2f}x",
+        ),
+        (
+            "big-model load",
+            "peak RSS growth / one copy of the weights (empty init, plain)",
+            f"{growth['empty_init']:.2f}x, {growth['plain']:.2f}x",
+        ),
+    ]
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -142,6 +163,13 @@ SUITES: dict[str, Suite] = {
             results="peer.json",
             rows=_peer_rows,
             needs=("accelerate",),
+        ),
+        Suite(
+            name="bigload",
+            file="test_big_load.py",
+            results="big_load.json",
+            rows=_big_load_rows,
+            quick_env={"RETARGET_BENCH_ROUNDS": "3"},
         ),
     )
 }
