@@ -15,10 +15,12 @@ What may not be split across devices defaults to the repeated blocks `find_block
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from retarget.bigmodel.activation_headroom import activation_headroom
 from retarget.core.placement import (
     CPU,
     DISK,
@@ -43,11 +45,14 @@ def infer_auto_device_map(
     no_split_module_classes: Sequence[str] | None = None,
     dtype: str | torch.dtype | None = None,
     mode: str = "sequential",
+    example_inputs: Any = None,
 ) -> DeviceMap:
     """Plan module path -> "cuda:N" | "cpu" | "disk" within `max_memory` (default: free memory).
 
     `mode` "balanced" (and "auto", as Accelerate) spreads the model evenly over several CUDA
-    devices; "sequential" fills each device before the next.
+    devices; "sequential" fills each device before the next. With `example_inputs` (a tuple of
+    positional arguments, a dict of keyword arguments, or one argument), the largest activation
+    peak of one block (measured on meta) is kept free on each device that runs blocks.
     """
     if mode not in MODES:
         raise PlacementError(f"device_map={mode!r}: use one of {', '.join(MODES)} or a dict")
@@ -56,6 +61,11 @@ def infer_auto_device_map(
     budgets.pop(DISK, None)
     sizes = tensor_sizes(model, dtype)
     blocks = no_split_paths(model, no_split_module_classes)
+    headroom = 0
+    if example_inputs is not None:
+        headroom = activation_headroom(model, sorted(blocks), example_inputs)
+        runs = [d for d in budgets if d != CPU] or [CPU]
+        budgets = {d: max(b - headroom, 0) if d in runs else b for d, b in budgets.items()}
     root = _unit(model, "", sizes, blocks)
     atoms = list(_atoms(root))
     largest = max(atoms, key=lambda u: u.size, default=None)
@@ -77,6 +87,7 @@ def infer_auto_device_map(
         kinds={p: kinds[p] for p in placed if p in kinds},
         budgets={d: b for d, b in budgets.items()},
         reserve=largest.size if largest and spills else 0,
+        headroom=headroom,
     )
 
 

@@ -117,6 +117,8 @@ class DeviceMap(Mapping[str, str]):
     kinds: dict[str, str] = field(default_factory=dict)
     budgets: dict[str, int] = field(default_factory=dict)
     reserve: int = 0
+    headroom: int = 0
+    """Bytes of activations kept free on each device that runs blocks (budgets are net of it)."""
 
     def __getitem__(self, path: str) -> str:
         return self.entries[path]
@@ -149,6 +151,8 @@ class DeviceMap(Mapping[str, str]):
             budget = self.budgets.get(device)
             limit = f" of {format_bytes(budget)}" if budget is not None else ""
             lines.append(f"{device}: {format_bytes(total)}{limit}")
+        if self.headroom:
+            lines.append(f"kept free for activations: {format_bytes(self.headroom)}")
         if self.reserve:
             lines.append(
                 f"kept free on the execution device for one block: {format_bytes(self.reserve)}"
