@@ -66,3 +66,12 @@ def inputs(name: str) -> dict[str, torch.Tensor]:
 def logits(model, name: str) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs(name)).logits
+
+
+def llama_model() -> LlamaForCausalLM:
+    """A factory for `retarget device-map` (called under init_empty_weights there)."""
+    return LlamaForCausalLM(llama_config())
+
+
+def llama_inputs() -> dict[str, torch.Tensor]:
+    return inputs("llama")

@@ -199,3 +199,17 @@ def test_headroom_of_a_real_model_puts_its_weights_back():
     assert plan.headroom > 0
     assert all(p is weights[n] and not p.is_meta for n, p in model.named_parameters())
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_cli_prints_the_plan(capsys):
+    from retarget.cli.main import main
+
+    factory = "tests.bigmodel_models:llama_model"
+    assert main(["device-map", factory, "--max-memory", "cpu=300KB", "--mode", "sequential"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0" in out and "-> disk" in out and "cpu: " in out
+    assert main(["device-map", factory, "--max-memory", "cpu=300KB", "--format", "json"]) == 0
+    assert '"model.layers.3": "disk"' in capsys.readouterr().out
+    args = ["device-map", factory, "--max-memory", "cpu=100KB"]
+    assert main(args) == 2
+    assert "too small for one block: model.layers.0" in capsys.readouterr().err
