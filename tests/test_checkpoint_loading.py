@@ -259,3 +259,16 @@ def test_a_failure_half_way_puts_everything_back_and_marks_the_model(tmp_path):
         model(torch.zeros(1, 4, dtype=torch.long))
     load_checkpoint_in_model(model, tmp_path / "ckpt")
     assert torch.equal(logits(model, "llama"), logits(reference, "llama"))
+
+
+def test_a_map_that_leaves_a_tensor_out_or_names_a_missing_device_is_refused(tmp_path):
+    write("hf_single", build("llama"), tmp_path)
+    model = empty("llama")
+    with pytest.raises(PlacementError, match="no prefix of 'lm_head.weight'"):
+        load_checkpoint_in_model(model, tmp_path, device_map={"model": "cpu"})
+    beyond = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(
+        CheckpointError, match=rf"'model.embed_tokens.weight' on cuda:{beyond}, but"
+    ):
+        load_checkpoint_in_model(model, tmp_path, device_map={"": beyond})
+    assert all(p.is_meta for p in model.parameters())

@@ -144,7 +144,7 @@ def _plan(
     named = set(state)
     unexpected = [k for k in files.tensors if k not in named]
     missing = []
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for group in groups:
         sources = [k for k in group.keys if k in files.tensors]
         sources += [files.aliases[k] for k in group.keys if files.aliases.get(k) in files.tensors]
@@ -163,10 +163,10 @@ def _plan(
             group.device = in_memory[0]
         else:
             group.device = CPU if tensor.is_meta else str(tensor.device)
-        if group.device.startswith("cuda") and not cuda:
+        if group.device.startswith("cuda") and int(group.device[5:]) >= cuda:
             raise CheckpointError(
                 f"the device map puts {group.keys[0]!r} on {group.device}, "
-                "but this machine has no CUDA device"
+                f"but this machine has {cuda} CUDA devices"
             )
     problems = []
     if missing:
