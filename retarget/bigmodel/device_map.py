@@ -27,6 +27,7 @@ from retarget.core.placement import (
     DeviceMap,
     PlacementError,
     Unit,
+    device_for,
     device_order,
     normalize_budgets,
     normalize_device,
@@ -72,6 +73,7 @@ def infer_auto_device_map(
     if mode != "sequential":
         budgets = balanced_budgets(budgets, root.size, largest.size if largest else 0)
     placed = plan_placement(root.parts or (root,), budgets, largest=largest)
+    placed = _follow_ties(model, placed)
     if len(set(placed.values())) == 1:
         placed = {"": next(iter(placed.values()))}
     module_sizes = _sizes_by_path(root)
@@ -173,6 +175,25 @@ def _unit(module: nn.Module, path: str, sizes: dict[str, int], blocks: set[str])
     if path in blocks or not children:
         return Unit(path=path, size=size, kind=kind)
     return Unit(path=path, size=size, parts=tuple(own + children), kind=kind)
+
+
+def _follow_ties(model: nn.Module, placed: dict[str, str]) -> dict[str, str]:
+    """An entry whose tensors are all another name's (a tied head) goes where that name went."""
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        alias[name] = first.setdefault(id(tensor), name)
+    out = dict(placed)
+    for path in placed:
+        prefix = f"{path}." if path else ""
+        names = [n for n in alias if n == path or n.startswith(prefix)]
+        targets = {alias[n] for n in names if alias[n] != n}
+        if names and len(targets) == len(names) and len(targets) == 1:
+            out[path] = device_for(placed, targets.pop())
+    return out
 
 
 def _walk(unit: Unit):
