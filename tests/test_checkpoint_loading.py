@@ -18,6 +18,7 @@ from retarget.core.placement import PlacementError
 from retarget.core.slots import DISK_WEIGHTS
 from retarget.runtime.state.save_model import save_model, tied_weights
 from tests.bigmodel_models import BUILDERS, build, logits
+from tests.zoo import ZOO, call
 
 
 def empty(name):
@@ -272,3 +273,20 @@ def test_a_map_that_leaves_a_tensor_out_or_names_a_missing_device_is_refused(tmp
     ):
         load_checkpoint_in_model(model, tmp_path, device_map={"": beyond})
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("entry", list(ZOO.values()), ids=list(ZOO))
+def test_the_zoo_round_trips_through_save_model_into_empty_models(entry, tmp_path):
+    reference = entry.factory().eval()
+    save_model(reference, tmp_path, max_shard_size="20KB")
+    with init_empty_weights():
+        model = entry.factory()
+    assert all(p.is_meta for p in model.parameters())
+    load_checkpoint_in_model(model, tmp_path)
+    model.eval()
+    inputs = entry.inputs(2)
+    with torch.no_grad():
+        expected, got = call(reference, inputs), call(model, inputs)
+    expected = expected.logits if hasattr(expected, "logits") else expected
+    got = got.logits if hasattr(got, "logits") else got
+    assert torch.equal(got, expected)

@@ -14,6 +14,7 @@ from retarget.core.placement import (
     device_for,
 )
 from tests.bigmodel_models import BUILDERS
+from tests.zoo import ZOO
 
 KB = 1000
 
@@ -158,3 +159,20 @@ def test_cli_prints_the_plan(capsys):
     args = ["device-map", factory, "--max-memory", "cpu=100KB"]
     assert main(args) == 2
     assert "too small for one block: model.layers.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", list(ZOO.values()), ids=list(ZOO))
+def test_zoo_blocks_are_never_split(entry):
+    with init_empty_weights():
+        model = entry.factory()
+    total = sum(tensor_sizes(model, None).values())
+    blocks = [p for p, m in model.named_modules() if type(m).__name__ == entry.repeated_block_type]
+    units = blocks + [p for p, m in model.named_modules() if not list(m.children())]
+    largest = max(sum(tensor_sizes(model.get_submodule(p), None).values()) for p in units)
+    budget = max(total // 2, largest + 1)
+    plan = infer_auto_device_map(model, max_memory={"cpu": budget})
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+        device_for(plan, name)
+    for block in blocks:
+        assert not any(key.startswith(block + ".") for key in plan), (block, dict(plan))
+    assert plan.totals().get("cpu", 0) + plan.reserve <= budget
