@@ -80,6 +80,20 @@ class CheckpointFiles:
         return list(dict.fromkeys(t.file for t in self.tensors.values()))
 
 
+def as_floating_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`dtype` ("float16", "torch.bfloat16" or a torch.dtype) checked to be floating."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        parsed = dtype
+    else:
+        parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if dtype is not None and (not isinstance(parsed, torch.dtype) or not parsed.is_floating_point):
+        raise CheckpointError(
+            f"dtype={dtype!r} cannot be used to cast weights: give a floating dtype "
+            "(torch.float32, torch.float16, torch.bfloat16)"
+        )
+    return parsed
+
+
 def find_checkpoint(checkpoint: str | Path) -> CheckpointFiles:
     """The tensors of the checkpoint at `checkpoint` (file, folder or index), headers only."""
     path = Path(checkpoint)

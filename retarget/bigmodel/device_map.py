@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from retarget.bigmodel.activation_headroom import activation_headroom
+from retarget.bigmodel.checkpoint_files import as_floating_dtype
 from retarget.core.placement import (
     CPU,
     DISK,
@@ -57,7 +58,7 @@ def infer_auto_device_map(
     """
     if mode not in MODES:
         raise PlacementError(f"device_map={mode!r}: use one of {', '.join(MODES)} or a dict")
-    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    dtype = as_floating_dtype(dtype)
     budgets = normalize_budgets(max_memory) if max_memory is not None else available_memory()
     budgets.pop(DISK, None)
     sizes = tensor_sizes(model, dtype)

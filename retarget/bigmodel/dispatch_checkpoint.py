@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from retarget.bigmodel.checkpoint_files import as_floating_dtype
 from retarget.bigmodel.device_map import resolve_device_map
-from retarget.bigmodel.load_checkpoint import as_floating_dtype, load_checkpoint_in_model
+from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
 
 DISPATCH_MODULE = "retarget.bigmodel.dispatch"
 

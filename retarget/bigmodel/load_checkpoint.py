@@ -29,6 +29,7 @@ from retarget.bigmodel.checkpoint_files import (
     CheckpointError,
     CheckpointFiles,
     StoredTensor,
+    as_floating_dtype,
     find_checkpoint,
     tensor_reader,
 )
@@ -57,20 +58,6 @@ class LoadedCheckpoint:
     loaded: int = 0
 
 
-def as_floating_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """`dtype` ("float16", "torch.bfloat16" or a torch.dtype) checked to be floating."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        parsed = dtype
-    else:
-        parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if dtype is not None and (not isinstance(parsed, torch.dtype) or not parsed.is_floating_point):
-        raise CheckpointError(
-            f"dtype={dtype!r} cannot be used to cast weights: give a floating dtype "
-            "(torch.float32, torch.float16, torch.bfloat16)"
-        )
-    return parsed
-
-
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | Path,
@@ -85,20 +72,28 @@ def load_checkpoint_in_model(
     `device_map` is None (keep each tensor's device; meta ones go to the cpu), a dict in
     Accelerate's format, or "auto" / "balanced" / "sequential" (planned with `max_memory`).
     `strict=False` turns missing and unexpected keys into a warning (missing ones stay meta).
+
+        >>> with retarget.init_empty_weights():
+        ...     model = LlamaForCausalLM(config)
+        >>> retarget.load_checkpoint_in_model(model, "out/llama", dtype=torch.bfloat16)
     """
     target = as_floating_dtype(dtype)
     files = find_checkpoint(checkpoint)
     state = model.state_dict(keep_vars=True)
     entries = resolve_device_map(model, device_map, max_memory=max_memory, dtype=target)
-    groups = _plan(model, state, files, entries, target, strict)
-    disk = {}
-    needs_cast = [g for g in groups if g.device == DISK and not _mappable(g)]
-    if needs_cast and offload_folder is None:
-        raise CheckpointError(
-            f"the device map sends {needs_cast[0].keys[0]!r} to disk but it cannot be mapped "
-            f"from {needs_cast[0].stored.file} as it is ({needs_cast[0].stored.dtype} stored, "
-            f"{needs_cast[0].dtype} wanted): give offload_folder= to write it there"
-        )
+    groups = _plan(model, state, files, entries, target)
+    _check_keys(model, files, state, groups, strict)
+    _check_offload_folder(groups, offload_folder)
+    disk, loaded = _load_groups(model, groups, files, offload_folder)
+    if offload_folder is not None and disk:
+        write_disk_index(offload_folder, disk)
+    DISK_WEIGHTS.set(model, disk)
+    return LoadedCheckpoint(device_map=entries, disk=disk, loaded=loaded)
+
+
+def _load_groups(model, groups, files, offload_folder) -> tuple[dict[str, DiskWeight], int]:
+    """Read, cast, place and set every group; on any failure, undo and mark the model."""
+    disk: dict[str, DiskWeight] = {}
     done: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
         with tensor_reader() as reader:
@@ -123,51 +118,45 @@ def load_checkpoint_in_model(
         _mark_failed(model, message)
         raise CheckpointError(message) from error
     _clear_failed(model)
-    if offload_folder is not None and disk:
-        write_disk_index(offload_folder, disk)
-    DISK_WEIGHTS.set(model, disk)
-    return LoadedCheckpoint(device_map=entries, disk=disk, loaded=len(done))
+    return disk, len(done)
 
 
-def _plan(
-    model: nn.Module,
-    state: dict[str, torch.Tensor],
-    files: CheckpointFiles,
-    entries: dict[str, str],
-    target: torch.dtype | None,
-    strict: bool,
-) -> list[TensorGroup]:
+def _plan(model, state, files: CheckpointFiles, entries, target) -> list[TensorGroup]:
+    """One group per distinct tensor: its stored source, dtype and device, checked."""
     by_tensor: dict[int, TensorGroup] = {}
     for key, tensor in state.items():
         by_tensor.setdefault(id(tensor), TensorGroup(keys=[])).keys.append(key)
-    groups = list(by_tensor.values())
-    named = set(state)
-    unexpected = [k for k in files.tensors if k not in named]
-    missing = []
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for group in groups:
+    for group in by_tensor.values():
         sources = [k for k in group.keys if k in files.tensors]
         sources += [files.aliases[k] for k in group.keys if files.aliases.get(k) in files.tensors]
         if not sources:
-            missing.extend(group.keys)
             continue
         group.stored = files.tensors[sources[0]]
         tensor = state[group.keys[0]]
         group.dtype = target if target is not None and tensor.is_floating_point() else tensor.dtype
         _check_tensor(model, group, tuple(tensor.shape))
-        devices = [device_for(entries, k) for k in group.keys] if entries else []
-        in_memory = [d for d in devices if d != DISK]
-        if entries and not in_memory:
-            group.device = DISK
-        elif in_memory:
-            group.device = in_memory[0]
-        else:
-            group.device = CPU if tensor.is_meta else str(tensor.device)
+        group.device = _device_of(group, entries, tensor)
         if group.device.startswith("cuda") and int(group.device[5:]) >= cuda:
             raise CheckpointError(
                 f"the device map puts {group.keys[0]!r} on {group.device}, "
                 f"but this machine has {cuda} CUDA devices"
             )
+    return list(by_tensor.values())
+
+
+def _device_of(group: TensorGroup, entries: dict[str, str], tensor: torch.Tensor) -> str:
+    """Where the map puts the group; a tie between memory and disk stays in memory."""
+    if not entries:
+        return CPU if tensor.is_meta else str(tensor.device)
+    in_memory = [d for d in (device_for(entries, k) for k in group.keys) if d != DISK]
+    return in_memory[0] if in_memory else DISK
+
+
+def _check_keys(model, files: CheckpointFiles, state, groups, strict: bool) -> None:
+    """Missing and unexpected keys: an error under strict, else one warning."""
+    missing = [k for g in groups if g.stored is None for k in g.keys]
+    unexpected = [k for k in files.tensors if k not in state]
     problems = []
     if missing:
         problems.append(
@@ -188,7 +177,18 @@ def _plan(
             + " (strict=False: missing ones stay as they are)",
             stacklevel=3,
         )
-    return groups
+
+
+def _check_offload_folder(groups: list[TensorGroup], offload_folder) -> None:
+    needs_cast = [g for g in groups if g.stored is not None and g.device == DISK]
+    needs_cast = [g for g in needs_cast if not _mappable(g)]
+    if needs_cast and offload_folder is None:
+        first = needs_cast[0]
+        raise CheckpointError(
+            f"the device map sends {first.keys[0]!r} to disk but it cannot be mapped "
+            f"from {first.stored.file} as it is ({first.stored.dtype} stored, "
+            f"{first.dtype} wanted): give offload_folder= to write it there"
+        )
 
 
 def _check_tensor(model: nn.Module, group: TensorGroup, shape: tuple[int, ...]) -> None:
