@@ -290,3 +290,17 @@ def test_the_zoo_round_trips_through_save_model_into_empty_models(entry, tmp_pat
     expected = expected.logits if hasattr(expected, "logits") else expected
     got = got.logits if hasattr(got, "logits") else got
     assert torch.equal(got, expected)
+
+
+def test_mmap_loads_without_copying_and_never_writes_the_file(tmp_path):
+    reference = build("llama")
+    write("hf_sharded", reference, tmp_path)
+    model = empty("llama")
+    load_checkpoint_in_model(model, tmp_path, mmap=True)
+    assert torch.equal(logits(model, "llama"), logits(reference, "llama"))
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # copy-on-write: the file keeps its bytes
+    again = empty("llama")
+    load_checkpoint_in_model(again, tmp_path)
+    assert torch.equal(again.lm_head.weight, reference.lm_head.weight)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight + 1.0)

@@ -1,13 +1,17 @@
 """One variant of the load benchmark in a fresh process; prints one JSON line.
 
-    python bench/bigload/load.py {plain|empty_init} CHECKPOINT_FOLDER
+    python bench/bigload/load.py {plain|empty_init|empty_init_mmap|accelerate} CHECKPOINT_FOLDER
 
 plain:      LlamaForCausalLM(config) (random init) + load_state_dict(safetensors load_file(...))
 empty_init: retarget.init_empty_weights() + retarget.load_checkpoint_in_model(model, folder)
+empty_init_mmap: the same with mmap=True (weights left backed by the file's memory map)
+accelerate: the same with Accelerate's init_empty_weights + load_checkpoint_in_model
+            (device_map={"": "cpu"}), the peer
 
-Figures: seconds from before construction to a loaded model; peak RSS growth (VmHWM minus VmRSS
-before construction, file-mapped pages included) and peak anonymous RSS growth (RssAnon sampled
-every 2 ms in a thread: memory the process itself holds, page cache excluded).
+Figures: seconds from before construction to a loaded model; then every weight is summed once
+(so that weights backed by the file's memory map are read in), and: peak RSS growth (VmHWM minus
+VmRSS before construction, file-mapped pages included) and peak anonymous RSS growth (RssAnon
+sampled every 2 ms in a thread: memory the process itself holds, page cache excluded).
 """
 
 from __future__ import annotations
@@ -65,13 +69,27 @@ def main(variant: str, folder: Path) -> None:
         if variant == "plain":
             model = LlamaForCausalLM(config)
             model.load_state_dict(load_file(folder / "model.safetensors"))
-        elif variant == "empty_init":
+        elif variant in ("empty_init", "empty_init_mmap"):
             with retarget.init_empty_weights():
                 model = LlamaForCausalLM(config)
-            retarget.load_checkpoint_in_model(model, folder)
+            retarget.load_checkpoint_in_model(model, folder, mmap=variant == "empty_init_mmap")
+        elif variant == "accelerate":
+            from accelerate import init_empty_weights
+            from accelerate.utils import load_checkpoint_in_model
+
+            with init_empty_weights():
+                model = LlamaForCausalLM(config)
+            # device_map=None takes torch.distributed.checkpoint's path, which needs a process
+            # group on torch 2.13 (docs/facts.md); {"": "cpu"} loads tensor by tensor.
+            load_checkpoint_in_model(model, folder, device_map={"": "cpu"})
         else:
             raise SystemExit(f"unknown variant {variant!r}")
         seconds = time.perf_counter() - start
+        # Use every weight once: a tensor backed by the file's memory map has its pages read
+        # (and counted) only now.
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                tensor.sum()
     peak_rss = status("VmHWM")  # before the checksum below allocates its own copy
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     check = float(model.lm_head.weight.double().sum())

@@ -14,7 +14,8 @@ every bad input is refused before the model is touched.
 A safetensors tensor is read with one `readinto` into memory the tensor owns. Not through
 `safe_open(...).get_tensor`: in safetensors 0.8 that returns a tensor backed by the file's
 memory map (docs/facts.md), so a model loaded that way would hold pages of a file that a later
-save into the same folder may truncate or rewrite under it.
+save into the same folder may truncate or rewrite under it. `mapped=True` asks for exactly
+that (no anonymous memory for the weights, as Accelerate loads them), knowingly.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
@@ -180,13 +182,25 @@ def _read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
 
 
 class TensorReader:
-    """Opens each file once and reads one tensor at a time (safetensors or mmap'd .bin)."""
+    """Opens each file once and reads one tensor at a time (safetensors or mmap'd .bin).
 
-    def __init__(self, stack: ExitStack):
+    With `mapped=True` a safetensors tensor is returned as safetensors gives it: backed by the
+    file's private memory map (no read now, pages come in on first use and count as file pages,
+    not anonymous memory; writing the tensor copies the page, never the file).
+    """
+
+    def __init__(self, stack: ExitStack, mapped: bool = False):
         self._stack = stack
+        self._mapped = mapped
         self._open: dict[Path, Any] = {}
 
     def read(self, stored: StoredTensor) -> torch.Tensor:
+        if self._mapped and stored.is_safetensors:
+            key = (stored.file, "mapped")
+            if key not in self._open:
+                handle = safe_open(stored.file, framework="pt")
+                self._open[key] = self._stack.enter_context(handle)
+            return self._open[key].get_tensor(stored.key)
         handle = self._open.get(stored.file)
         if handle is None:
             if stored.is_safetensors:
@@ -213,6 +227,6 @@ class TensorReader:
 
 
 @contextmanager
-def tensor_reader() -> Iterator[TensorReader]:
+def tensor_reader(mapped: bool = False) -> Iterator[TensorReader]:
     with ExitStack() as stack:
-        yield TensorReader(stack)
+        yield TensorReader(stack, mapped)

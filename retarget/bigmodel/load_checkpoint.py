@@ -66,12 +66,16 @@ def load_checkpoint_in_model(
     offload_folder: str | Path | None = None,
     strict: bool = True,
     max_memory: Mapping[int | str, int | str] | None = None,
+    mmap: bool = False,
 ) -> LoadedCheckpoint:
     """Load `checkpoint` into `model` in place; tensors mapped to "disk" are recorded instead.
 
     `device_map` is None (keep each tensor's device; meta ones go to the cpu), a dict in
     Accelerate's format, or "auto" / "balanced" / "sequential" (planned with `max_memory`).
     `strict=False` turns missing and unexpected keys into a warning (missing ones stay meta).
+    `mmap=True` leaves cpu tensors that need no cast backed by the safetensors file's private
+    memory map (no copy, no anonymous memory; the file must then not be rewritten in place
+    while the model lives).
 
         >>> with retarget.init_empty_weights():
         ...     model = LlamaForCausalLM(config)
@@ -84,24 +88,24 @@ def load_checkpoint_in_model(
     groups = _plan(model, state, files, entries, target)
     _check_keys(model, files, state, groups, strict)
     _check_offload_folder(groups, offload_folder)
-    disk, loaded = _load_groups(model, groups, files, offload_folder)
+    disk, loaded = _load_groups(model, groups, files, offload_folder, mmap)
     if offload_folder is not None and disk:
         write_disk_index(offload_folder, disk)
     DISK_WEIGHTS.set(model, disk)
     return LoadedCheckpoint(device_map=entries, disk=disk, loaded=loaded)
 
 
-def _load_groups(model, groups, files, offload_folder) -> tuple[dict[str, DiskWeight], int]:
+def _load_groups(model, groups, files, folder, mmap) -> tuple[dict[str, DiskWeight], int]:
     """Read, cast, place and set every group; on any failure, undo and mark the model."""
     disk: dict[str, DiskWeight] = {}
     done: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        with tensor_reader() as reader:
+        with tensor_reader(mapped=mmap) as reader:
             for group in groups:
                 if group.stored is None:
                     continue
                 if group.device == DISK:
-                    disk |= _offload(model, group, reader, offload_folder)
+                    disk |= _offload(model, group, reader, folder)
                     continue
                 value = reader.read(group.stored)
                 if value.dtype != group.dtype:

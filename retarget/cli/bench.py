@@ -111,23 +111,23 @@ def _peer_rows(d: dict) -> list[Row]:
 
 def _big_load_rows(d: dict) -> list[Row]:
     growth = d["peak_rss_growth / weights"]
-    return [
-        (
-            "big-model load",
-            "empty init + load: time / plain + load_state_dict",
-            f"{d['time_ratio empty_init/plain']:.2f}x",
-        ),
-        (
-            "big-model load",
-            "empty init + load: peak RSS / plain + load_state_dict",
-            f"{d['peak_rss_ratio empty_init/plain']:.2f}x",
-        ),
-        (
-            "big-model load",
-            "peak RSS growth / one copy of the weights (empty init, plain)",
-            f"{growth['empty_init']:.2f}x, {growth['plain']:.2f}x",
-        ),
-    ]
+    rows = []
+    for base, name in (("plain", "plain + load_state_dict"), ("accelerate", "Accelerate's")):
+        time_ratio = d[f"time_ratio empty_init/{base}"]
+        rss_ratio = d[f"peak_rss_ratio empty_init/{base}"]
+        rows.append(("big-model load", f"empty init + load: time / {name}", f"{time_ratio:.2f}x"))
+        rows.append(
+            ("big-model load", f"empty init + load: peak RSS / {name}", f"{rss_ratio:.2f}x")
+        )
+    mapped = d["time_ratio empty_init_mmap/accelerate"]
+    rows.append(
+        ("big-model load", "empty init + load(mmap=True): time / Accelerate's", f"{mapped:.2f}x")
+    )
+    figures = ", ".join(f"{growth[v]:.2f}x" for v in ("empty_init", "plain", "accelerate"))
+    rows.append(
+        ("big-model load", "peak RSS / one copy of weights (ours, plain, Accelerate)", figures)
+    )
+    return rows
 
 
 SUITES: dict[str, Suite] = {
