@@ -3,16 +3,16 @@
 Run: python -m pytest bench/test_big_load.py --benchmark-only -s
 
 A Llama-style model of about 200 MB (16 layers, hidden 512, fp32, untied head) is saved once with
-save_pretrained (one model.safetensors). Each round runs both variants, each in a fresh process
-(bench/bigload/load.py), alternating which goes first: `plain` builds the model with its random
+save_pretrained (one model.safetensors). Each round runs every variant, each in a fresh process
+(bench/bigload/load.py), rotating which goes first: `plain` builds the model with its random
 init and calls load_state_dict(load_file(...)); `empty_init` builds it under
 retarget.init_empty_weights() and calls retarget.load_checkpoint_in_model; `accelerate` does the
 same with Accelerate 1.15's functions (the peer); `empty_init_mmap` is ours with `mmap=True`
 (weights left backed by the file's memory map, as Accelerate leaves them). Every weight is then
-summed once (a weight backed by the file's memory map is read in only when used). Figures (medians over ROUNDS rounds):
-time and peak-RSS-growth ratios of empty_init to plain and to accelerate, and each variant's peak
-growth over the bytes of one copy of the weights (RSS with mapped file pages, and anonymous
-memory alone). Results go to bench/big_load.json. Nothing asserts on timing.
+summed once (a weight backed by the file's memory map is read in only when used). Figures
+(medians over ROUNDS rounds): time and peak-RSS-growth ratios of empty_init to plain and to
+accelerate, of empty_init_mmap to accelerate, and each variant's peak growth over the bytes of
+one copy of the weights (RSS with mapped file pages, and anonymous memory alone).
 """
 
 from __future__ import annotations
