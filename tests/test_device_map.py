@@ -176,3 +176,9 @@ def test_zoo_blocks_are_never_split(entry):
     for block in blocks:
         assert not any(key.startswith(block + ".") for key in plan), (block, dict(plan))
     assert plan.totals().get("cpu", 0) + plan.reserve <= budget
+
+
+def test_without_max_memory_the_free_memory_is_the_budget():
+    plan = infer_auto_device_map(empty("llama"))
+    assert dict(plan) == {"": "cuda:0" if torch.cuda.is_available() else "cpu"}
+    assert 0 < plan.budgets["cpu"]
