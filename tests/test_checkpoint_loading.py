@@ -96,6 +96,10 @@ def test_dtype_casts_floating_tensors_only(tmp_path):
     for key, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[key], value.to(torch.bfloat16)), key
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # not in the checkpoint
+    # As Hugging Face loads it in bf16 (its rotary frequencies stay float32 there too).
+    hf = type(reference).from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(logits(model, "llama"), logits(hf, "llama"))
 
 
 def _disk_map(prefix="model.layers"):
@@ -315,3 +319,12 @@ def test_mmap_loads_without_copying_and_never_writes_the_file(tmp_path):
     load_checkpoint_in_model(again, tmp_path)
     assert torch.equal(again.lm_head.weight, reference.lm_head.weight)
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight + 1.0)
+
+
+def test_a_tie_all_on_disk_gives_every_name_the_same_record(tmp_path):
+    write("save_model_sharded", build("gpt2"), tmp_path)
+    model = empty("gpt2")
+    result = load_checkpoint_in_model(model, tmp_path, device_map={"": "disk"})
+    assert result.disk["lm_head.weight"] == result.disk["transformer.wte.weight"]
+    assert result.disk["lm_head.weight"].key == "transformer.wte.weight"
+    assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.is_meta
