@@ -40,6 +40,12 @@ _LAZY_NAMES = {
         "retarget.accelerate.process_kwargs",
     ),
     "ProjectConfiguration": "retarget.accelerate.arguments",
+    "init_empty_weights": "retarget.bigmodel.empty_init",
+    "init_on_device": "retarget.bigmodel.empty_init",
+    "infer_auto_device_map": "retarget.bigmodel.device_map",
+    "load_checkpoint_in_model": "retarget.bigmodel.load_checkpoint",
+    "load_checkpoint_and_dispatch": "retarget.bigmodel.dispatch_checkpoint",
+    "DeviceMap": "retarget.core.placement",
 }
 
 

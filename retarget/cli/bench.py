@@ -113,6 +113,27 @@ def _peer_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _big_load_rows(d: dict) -> list[Row]:
+    growth = d["peak_rss_growth / weights"]
+    rows = []
+    for base, name in (("plain", "plain + load_state_dict"), ("accelerate", "Accelerate's")):
+        time_ratio = d[f"time_ratio empty_init/{base}"]
+        rss_ratio = d[f"peak_rss_ratio empty_init/{base}"]
+        rows.append(("big-model load", f"empty init + load: time / {name}", f"{time_ratio:.2f}x"))
+        rows.append(
+            ("big-model load", f"empty init + load: peak RSS / {name}", f"{rss_ratio:.2f}x")
+        )
+    mapped = d["time_ratio empty_init_mmap/accelerate"]
+    rows.append(
+        ("big-model load", "empty init + load(mmap=True): time / Accelerate's", f"{mapped:.2f}x")
+    )
+    figures = ", ".join(f"{growth[v]:.2f}x" for v in ("empty_init", "plain", "accelerate"))
+    rows.append(
+        ("big-model load", "peak RSS / one copy of weights (ours, plain, Accelerate)", figures)
+    )
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -153,6 +174,13 @@ SUITES: dict[str, Suite] = {
             results="coverage.json",
             rows=coverage_rows,
             section=coverage_markdown,
+        ),
+        Suite(
+            name="bigload",
+            file="test_big_load.py",
+            results="big_load.json",
+            rows=_big_load_rows,
+            quick_env={"RETARGET_BENCH_ROUNDS": "3"},
         ),
     )
 }

@@ -27,6 +27,7 @@ COMMAND_GROUPS = (
     "retarget.cli.model_commands",  # inspect, demo, estimate-memory
     "retarget.cli.launch_commands",  # launch, config, env
     "retarget.cli.bench",  # bench
+    "retarget.cli.bigmodel_commands",  # device-map
 )
 
 

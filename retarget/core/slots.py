@@ -18,6 +18,8 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     AUTOCAST       a glue module's autocast policy                  passes.precision.insert_autocast
     AUTOCAST_EVAL  whether an FP8 module runs FP8 in eval mode      kernels.fp8.backends
     TE_RECIPE      a Transformer Engine module's recipe             kernels.fp8.backends
+    DISK_WEIGHTS   per tensor name, the file/key it is mapped from  bigmodel.load_checkpoint
+    LOAD_FAILED    why a checkpoint load left the model unusable    bigmodel.load_checkpoint
 """
 
 from __future__ import annotations
@@ -64,3 +66,5 @@ CHECKPOINT: Slot[Any] = Slot("checkpoint")
 AUTOCAST: Slot[Any] = Slot("autocast")
 AUTOCAST_EVAL: Slot[bool] = Slot("autocast_eval")
 TE_RECIPE: Slot[Any] = Slot("te_recipe")
+DISK_WEIGHTS: Slot[dict] = Slot("disk_weights")
+LOAD_FAILED: Slot[str] = Slot("load_failed")

@@ -1,0 +1,70 @@
+"""load_checkpoint_and_dispatch: plan a device map, load the checkpoint into it, dispatch.
+
+The dispatch half (hooks that bring offloaded weights to the execution device) is
+`retarget.bigmodel.dispatch.dispatch_model`, built on branch h-offload. Until that module is
+present the model is loaded and placed only, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from retarget.bigmodel.checkpoint_files import as_floating_dtype
+from retarget.bigmodel.device_map import resolve_device_map
+from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
+
+DISPATCH_MODULE = "retarget.bigmodel.dispatch"
+
+
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | Path,
+    device_map: str | Mapping[str, int | str | torch.device] | None = None,
+    max_memory: Mapping[int | str, int | str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    offload_folder: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    strict: bool = True,
+    **dispatch_options,
+) -> nn.Module:
+    """Accelerate's signature: load `checkpoint` into `model` along `device_map`; dispatch it.
+
+    `device_map` "auto" / "balanced" / "sequential" is planned by `infer_auto_device_map` with
+    `max_memory` and `no_split_module_classes`; a dict is used as given. Returns the model.
+    """
+    target = as_floating_dtype(dtype)
+    entries = resolve_device_map(
+        model,
+        device_map,
+        max_memory=max_memory,
+        no_split_module_classes=no_split_module_classes,
+        dtype=target,
+    )
+    loaded = load_checkpoint_in_model(
+        model,
+        checkpoint,
+        entries or None,
+        dtype=target,
+        offload_folder=offload_folder,
+        strict=strict,
+    )
+    if not entries:
+        return model
+    try:
+        dispatch = importlib.import_module(DISPATCH_MODULE)
+    except ModuleNotFoundError:
+        warnings.warn(
+            f"{DISPATCH_MODULE} is not available: the model was loaded and placed along the "
+            "device map but not dispatched (tensors mapped to disk stay on meta)",
+            stacklevel=2,
+        )
+        return model
+    return dispatch.dispatch_model(
+        model, loaded.device_map, offload_dir=offload_folder, **dispatch_options
+    )
