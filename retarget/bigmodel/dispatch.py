@@ -213,19 +213,18 @@ def _write_real_disk_tensors(model, keys, records, folder) -> dict[str, DiskWeig
         )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict(keep_vars=True)
+    first: dict[int, DiskWeight] = {}  # a tied tensor is written once, under its first name
     for name in names:
-        tensor = model.get_parameter(name) if _is_parameter(model, name) else model.get_buffer(name)
-        path = folder / f"{name}.safetensors"
-        save_file({name: tensor.detach().to("cpu").contiguous()}, path)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        written[name] = DiskWeight(str(path.resolve()), name, dtype, tuple(tensor.shape))
+        tensor = state[name]
+        if id(tensor) not in first:
+            path = folder / f"{name}.safetensors"
+            save_file({name: tensor.detach().to("cpu").contiguous()}, path)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            first[id(tensor)] = DiskWeight(str(path.resolve()), name, dtype, tuple(tensor.shape))
+        written[name] = first[id(tensor)]
     write_disk_index(folder, records | written)
     return written
-
-
-def _is_parameter(model: nn.Module, name: str) -> bool:
-    owner, _, leaf = name.rpartition(".")
-    return leaf in model.get_submodule(owner)._parameters
 
 
 def _use_state_dict(model, state_dict, keys) -> None:

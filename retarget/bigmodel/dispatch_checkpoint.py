@@ -52,6 +52,4 @@ def load_checkpoint_and_dispatch(
     )
     if not entries:
         return model
-    return dispatch_model(
-        model, loaded.device_map, offload_dir=offload_folder, **dispatch_options
-    )
+    return dispatch_model(model, loaded.device_map, offload_dir=offload_folder, **dispatch_options)

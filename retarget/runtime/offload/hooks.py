@@ -50,6 +50,11 @@ class OffloadRuntime:
             self._handles.append(unit.module.register_forward_hook(self._after_hook(unit)))
         return self
 
+    @property
+    def pending(self) -> int:
+        """Units read ahead and not yet run."""
+        return len(self._pending)
+
     def align_inputs(self, module: nn.Module, device: torch.device) -> None:
         """Move `module`'s tensor arguments to `device` (it lives there) before it runs."""
 

@@ -41,12 +41,10 @@ class OffloadedTensor:
         return self.source.nbytes
 
     def install(self, value: torch.Tensor) -> None:
-        for module, local, is_param in self.owners:
-            if is_param:
-                requires_grad = self.placeholder.requires_grad
-                module._parameters[local] = nn.Parameter(value, requires_grad=requires_grad)
-            else:
-                module._buffers[local] = value
+        if isinstance(self.placeholder, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=self.placeholder.requires_grad)
+        for module, local, is_param in self.owners:  # one object under every name: ties hold
+            (module._parameters if is_param else module._buffers)[local] = value
 
     def uninstall(self) -> None:
         for module, local, is_param in self.owners:
@@ -132,15 +130,20 @@ class UnitPlanner:
                     raise KeyError(f"device map key {key!r} names no module or tensor of the model")
                 chosen.append((owner, modules[owner], [local], kind))
         inside = {f"{path}.{n}" if path else n for path, _, names, _ in chosen for n in names}
-        units = []
+        # Read every tensor before any is swapped for its placeholder (a tie seen twice).
+        found = []
         for path, module, names, kind in chosen:
-            unit = OffloadUnit(path, module)
+            tensors = []
             for local in names:
-                full = f"{path}.{local}" if path else local
                 holder, _, leaf = local.rpartition(".")
                 tensor = _tensors(module.get_submodule(holder))[leaf]
-                if tensor is None:
-                    continue
+                if tensor is not None:
+                    tensors.append((f"{path}.{local}" if path else local, tensor))
+            found.append((path, module, tensors, kind))
+        units = []
+        for path, module, tensors, kind in found:
+            unit = OffloadUnit(path, module)
+            for full, tensor in tensors:
                 aliases = self._owners[id(tensor)]
                 if not all(f in inside for f, _ in aliases):
                     self._keep_resident(full, tensor, aliases)
