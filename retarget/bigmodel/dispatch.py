@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from retarget.bigmodel.device_map import resolve_device_map
+from retarget.bigmodel.device_map import no_split_paths, resolve_device_map
 from retarget.core.disk_weights import INDEX_NAME, DiskWeight, read_disk_index, write_disk_index
 from retarget.core.placement import CPU, DISK, PlacementError, device_for, normalize_device
 from retarget.core.slots import DISK_WEIGHTS, OFFLOAD
@@ -57,30 +57,61 @@ def dispatch_model(
     if not entries:
         raise PlacementError("device_map is empty: map at least '' to a device")
     main = _main_device(entries, main_device)
-    undispatch(model)
+    if state_dict is not None:
+        offloaded = [k for k, d in entries.items() if d == CPU and main.type != "cpu"]
+        _use_state_dict(model, state_dict, offloaded)
     records = _disk_records(model, offload_dir, offload_index)
+    offload_entries(
+        model,
+        entries,
+        main,
+        records=records,
+        offload_dir=offload_dir,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+        prefetch=prefetch,
+    )
+    model.hf_device_map = dict(entries)
+    return model
+
+
+def offload_entries(
+    model: nn.Module,
+    entries: Mapping[str, str],
+    main: torch.device,
+    *,
+    records: Mapping[str, DiskWeight] | None = None,
+    offload_dir: str | Path | None = None,
+    offload_buffers: bool = False,
+    preload_module_classes: Sequence[str] | None = None,
+    prefetch: int = 0,
+    also: Sequence[nn.Module] = (),
+) -> OffloadRuntime:
+    """Place and hook `model` along checked `entries`; `also`: models sharing its tensors,
+    whose slots are swapped with `model`'s (a compiled model and the user's)."""
+    undispatch(model)
+    records = dict(records if records is not None else DISK_WEIGHTS.get(model, None) or {})
+    for other in also:
+        records |= DISK_WEIGHTS.get(other, None) or {}
     offloaded = [
         (k, d) for k, d in entries.items() if d == DISK or (d == CPU and main.type != "cpu")
     ]
     to_disk = [k for k, d in offloaded if d == DISK]
     records |= _write_real_disk_tensors(model, to_disk, records, offload_dir)
-    if state_dict is not None:
-        _use_state_dict(model, state_dict, [k for k, d in offloaded if d == CPU])
     for key, device in entries.items():
         if device not in (CPU, DISK) or main.type == "cpu" and device == CPU:
             _move(model, key, torch.device(device))
     _refuse_meta_left(model, entries, offloaded, records)
-    planner = UnitPlanner(model, records, offload_buffers, tuple(preload_module_classes or ()))
-    units = planner.plan(offloaded)
-    runtime = OffloadRuntime(units, main, prefetch).attach()
+    blocks = no_split_paths(model, preload_module_classes)
+    planner = UnitPlanner(model, records, offload_buffers, blocks, also=tuple(also))
+    runtime = OffloadRuntime(planner.plan(offloaded), main, prefetch).attach()
     for key, device in entries.items():
         if device not in (CPU, DISK) and torch.device(device) != main:
             runtime.align_inputs(model.get_submodule(key), torch.device(device))
-    if len({d for d in entries.values()}) > 1 and main.type != "cpu":
+    if len(set(entries.values())) > 1 and main.type != "cpu":
         runtime.align_inputs(model, main)
     OFFLOAD.set(model, runtime)
-    model.hf_device_map = dict(entries)
-    return model
+    return runtime
 
 
 def cpu_offload(
@@ -96,7 +127,8 @@ def cpu_offload(
     undispatch(model)
     if state_dict is not None:
         _use_state_dict(model, state_dict, [""])
-    planner = UnitPlanner(model, {}, offload_buffers, tuple(preload_module_classes or ()))
+    blocks = no_split_paths(model, preload_module_classes)
+    planner = UnitPlanner(model, {}, offload_buffers, blocks)
     units = planner.plan([("", CPU)])
     runtime = OffloadRuntime(units, main, prefetch).attach()
     OFFLOAD.set(model, runtime)
@@ -117,7 +149,8 @@ def disk_offload(
     folder = Path(offload_dir)
     records = read_disk_index(folder) if (folder / INDEX_NAME).is_file() else {}
     records |= _write_real_disk_tensors(model, [""], records, folder)
-    planner = UnitPlanner(model, records, offload_buffers, tuple(preload_module_classes or ()))
+    blocks = no_split_paths(model, preload_module_classes)
+    planner = UnitPlanner(model, records, offload_buffers, blocks)
     units = planner.plan([("", DISK)])
     runtime = OffloadRuntime(units, main, prefetch).attach()
     OFFLOAD.set(model, runtime)

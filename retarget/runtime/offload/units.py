@@ -1,11 +1,13 @@
 """Which modules get an offload hook, and which tensors each one brings in.
 
 A device-map entry that is offloaded ("disk", or "cpu" when the execution device is not the
-CPU) becomes one or more units. A module with no `nn.ModuleList` inside it (a decoder layer, an
-embedding, a head) is one unit, whole: its tensors all arrive before it runs. A module that
-holds a list of blocks (a whole model, an encoder) is split: its own direct tensors form a unit,
-and each child is planned the same way, so a whole-model entry ("") is brought in block by block
-and never at once. A key that names a tensor ("model.norm.weight") is a unit of that tensor.
+CPU) becomes one or more units. A block (the caller names them: the repeated blocks find_blocks
+sees, plus classes asked to stay whole) or a module holding no block (an embedding, a head) is
+one unit, whole: its tensors all arrive before it runs, so a region's graph, captured for the
+block, always sees them. A module that holds blocks (a whole model, an encoder) is split: its
+own direct tensors form a unit, and each child is planned the same way, so a whole-model entry
+("") is brought in block by block and never at once. A key that names a tensor
+("model.norm.weight") is a unit of that tensor.
 
 Tied tensors: every (module, name) that holds the same tensor object shares one
 `OffloadedTensor`, so swapping it updates every alias at once and the tie holds. A tensor that
@@ -14,7 +16,7 @@ is also held by a module outside the offloaded units stays resident.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,14 +74,21 @@ def _has_block_list(module: nn.Module) -> bool:
 
 
 def split_into_units(
-    module: nn.Module, path: str, preload_classes: Sequence[str] = ()
+    module: nn.Module, path: str, blocks: Collection[str] = ()
 ) -> list[tuple[str, nn.Module, bool]]:
-    """(path, module, whole) per unit of an offloaded module, in module order."""
-    if type(module).__name__ in preload_classes or not _has_block_list(module):
+    """(path, module, whole) per unit of an offloaded module, in module order.
+
+    A module is one unit, whole, when it is a block (`blocks`: the repeated blocks and the
+    classes asked to stay whole) or holds none; a module holding blocks is split. Without
+    `blocks` known, a module holding a ModuleList/ModuleDict is split.
+    """
+    prefix = f"{path}." if path else ""
+    holds = any(b.startswith(prefix) and b != path for b in blocks) if blocks else None
+    if path in blocks or holds is False or (holds is None and not _has_block_list(module)):
         return [(path, module, True)]
     units = [(path, module, False)]
     for name, child in module.named_children():
-        units += split_into_units(child, f"{path}.{name}" if path else name, preload_classes)
+        units += split_into_units(child, f"{prefix}{name}", blocks)
     return units
 
 
@@ -101,11 +110,19 @@ class UnitPlanner:
     model: nn.Module
     disk_records: Mapping[str, DiskWeight]
     offload_buffers: bool = False
-    preload_classes: Sequence[str] = ()
+    blocks: Collection[str] = ()
+    """Paths of the modules that are units whole (the repeated blocks, preloaded classes)."""
     files: SafetensorsFiles = field(default_factory=SafetensorsFiles)
+    also: Sequence[nn.Module] = ()
+    """Other models sharing these tensors (the user's, beside a compiled copy): their slots
+    holding an offloaded tensor are swapped with the model's."""
 
     def __post_init__(self) -> None:
         self._owners = _owners(self.model)
+        self._other_owners: dict[int, list[Owner]] = {}
+        for other in self.also:
+            for key, found in _owners(other).items():
+                self._other_owners.setdefault(key, []).extend(owner for _, owner in found)
         self._persistent = {
             f"{p}.{b}" if p else b
             for p, m in self.model.named_modules()
@@ -120,9 +137,7 @@ class UnitPlanner:
         modules = dict(self.model.named_modules())
         for key, kind in entries:
             if key in modules:
-                for path, module, whole in split_into_units(
-                    modules[key], key, self.preload_classes
-                ):
+                for path, module, whole in split_into_units(modules[key], key, self.blocks):
                     chosen.append((path, module, self._local_names(module, whole), kind))
             else:
                 owner, _, local = key.rpartition(".")
@@ -182,7 +197,8 @@ class UnitPlanner:
         placeholder = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
         if is_param:
             placeholder = nn.Parameter(placeholder, requires_grad=tensor.requires_grad)
-        offloaded = OffloadedTensor(full, source, placeholder, [o for _, o in aliases])
+        owners = [o for _, o in aliases] + self._other_owners.get(id(tensor), [])
+        offloaded = OffloadedTensor(full, source, placeholder, owners)
         offloaded.uninstall()
         self._offloaded[id(tensor)] = offloaded
         return offloaded
@@ -195,7 +211,8 @@ class UnitPlanner:
         if record is None:
             raise ValueError(f"{full} is on meta with no disk record and is tied to {names}")
         value = DiskSource(record, self.files).load(torch.device("cpu"))
-        OffloadedTensor(full, CpuSource(value), tensor, [o for _, o in aliases]).install(value)
+        owners = [o for _, o in aliases] + self._other_owners.get(id(tensor), [])
+        OffloadedTensor(full, CpuSource(value), tensor, owners).install(value)
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor | None]:
