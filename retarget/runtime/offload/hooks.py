@@ -63,6 +63,19 @@ class OffloadRuntime:
 
         self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
+    def release(self) -> None:
+        """Drop reads made ahead and close the open files (their memory maps go with them),
+        so nothing of the offloaded weights stays mapped; the next call opens them again."""
+        while self._pending:
+            future = self._pending.pop(next(iter(self._pending)))
+            if not future.cancel():
+                future.exception()  # a read under way: let it finish, then drop its values
+        for unit in self.units:
+            for tensor in unit.tensors:
+                files = getattr(tensor.source, "files", None)
+                if files is not None:
+                    files.close()
+
     def remove(self) -> None:
         """Take the hooks off; offloaded tensors stay as their meta placeholders."""
         for handle in self._handles:

@@ -5,7 +5,8 @@ copy); elsewhere it is copied there. A `DiskSource` names a tensor in a safetens
 - on a CPU execution device, in the dtype it is stored in, the tensor is used straight from the
   file's memory map (`safe_open(...).get_tensor` maps, it does not read): no copy, and its pages
   are file pages the kernel may drop, never anonymous memory. Loading it ahead of time
-  (`warm`) reads its byte range once so its pages are in the page cache when the block runs;
+  (`warm`) asks the kernel to read its byte range (posix_fadvise WILLNEED) and touches one
+  byte per page, so the page faults are taken on the prefetch thread, not in the block;
 - elsewhere (a cuda device, or a cast) it is copied out of the map into memory it owns on the
   execution device, which is freed when the block has run.
 """
@@ -22,10 +23,6 @@ import torch
 from safetensors import safe_open
 
 from retarget.core.disk_weights import DiskWeight
-
-#: Bytes read per call when warming a tensor's pages (a scratch buffer reused, not kept).
-WARM_CHUNK = 1 << 20
-
 
 @dataclass(frozen=True)
 class CpuSource:
@@ -73,24 +70,29 @@ class SafetensorsFiles:
             return self._ranges[file][key]
 
     def warm(self, file: str, key: str) -> None:
-        """Read `key`'s bytes once so its pages sit in the page cache (no memory kept)."""
+        """Start reading `key`'s bytes into the page cache (the kernel's readahead, which
+        returns at once and costs nothing for pages already cached; no memory is kept)."""
         offset, length = self.byte_range(file, key)
-        scratch = bytearray(min(WARM_CHUNK, max(length, 1)))
-        view = memoryview(scratch)
         fd = os.open(file, os.O_RDONLY)
         try:
-            done = 0
-            while done < length:
-                got = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
-                if got <= 0:
-                    raise OSError(f"{file}: could not read {key!r} at byte {offset + done}")
-                done += got
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 
     def close(self) -> None:
         with self._lock:
             self._handles.clear()
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def touch_pages(mapped: torch.Tensor) -> None:
+    """Read one byte of every page of a memory-mapped tensor: the page faults (reading from
+    disk, or mapping a cached page) happen here, on the prefetch thread, not in the block."""
+    if mapped.numel():
+        flat = mapped.reshape(-1).view(torch.uint8)
+        int(flat[::PAGE].sum())
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class DiskSource:
         if device.type == "cpu" and mapped.dtype == wanted:
             if warm:
                 self.files.warm(self.record.file, self.record.key)
+                touch_pages(mapped)
             return mapped
         owned = torch.empty(mapped.shape, dtype=wanted, device=device)
         owned.copy_(mapped)
