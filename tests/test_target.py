@@ -203,7 +203,8 @@ ERRORS = [
         "xyzzy",
         "xyzzy",
         "unknown target part 'xyzzy'; expected one of: single, ddp, fsdp, zero1, zero2, zero3, "
-        "hsdp, tp, xla, bf16, fp16, fp8, ac, offload, compile, powersgd, fp16-comm, bf16-comm, stream",
+        "hsdp, tp, xla, bf16, fp16, fp8, ac, offload, compile, powersgd, fp16-comm, bf16-comm, "
+        "stream",
     ),
     # unknown options
     (

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from retarget.core.disk_weights import DiskWeight
 
+
 @dataclass(frozen=True)
 class CpuSource:
     """A tensor kept resident on CPU."""
