@@ -192,3 +192,48 @@ def test_an_unknown_device_map_key_is_named():
 def test_a_negative_prefetch_is_refused(tmp_path):
     with pytest.raises(ValueError, match="prefetch=-1"):
         disk_offload(build("llama"), tmp_path / "offload", prefetch=-1)
+
+
+# --- on a GPU: the execution device is cuda, weights come from the CPU and from disk ---
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def on_cuda(feed):
+    return {k: v.to("cuda") for k, v in feed.items()}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_gpu_cpu_and_disk_offload_give_the_cuda_model_logits(prefetch, tmp_path):
+    reference = build("llama").to("cuda")
+    model = build("llama")
+    device_map = {"model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0"}
+    device_map |= {"model.layers.1": "cpu", "model.layers.2": "cpu", "model.layers.3": "disk"}
+    device_map |= {"model.norm": "cuda:0", "model.rotary_emb": "cuda:0", "lm_head": "disk"}
+    dispatch_model(model, device_map, offload_dir=tmp_path / "offload", prefetch=prefetch)
+    assert model.model.layers[1].mlp.up_proj.weight.is_meta  # on the cpu between calls
+    feed = on_cuda(inputs("llama"))
+    with torch.no_grad():
+        got, expected = model(**feed).logits, reference(**feed).logits
+    assert got.device.type == "cuda" and torch.equal(got, expected)
+    mask = torch.ones_like(feed["input_ids"])
+    with torch.no_grad():
+        tokens = model.generate(feed["input_ids"], attention_mask=mask, max_new_tokens=8)
+        expected_tokens = reference.generate(
+            feed["input_ids"], attention_mask=mask, max_new_tokens=8
+        )
+    assert torch.equal(tokens, expected_tokens)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cpu_offload_with_hook_moves_the_model_to_cuda_and_back():
+    first, first_hook = cpu_offload_with_hook(build("gpt2"), "cuda")
+    second, _ = cpu_offload_with_hook(build("llama"), "cuda", prev_module_hook=first_hook)
+    logits(first, "gpt2")
+    assert next(first.parameters()).device.type == "cuda"
+    logits(second, "llama")
+    assert next(first.parameters()).device.type == "cpu"
+    assert next(second.parameters()).device.type == "cuda"
