@@ -45,6 +45,10 @@ _LAZY_NAMES = {
     "infer_auto_device_map": "retarget.bigmodel.device_map",
     "load_checkpoint_in_model": "retarget.bigmodel.load_checkpoint",
     "load_checkpoint_and_dispatch": "retarget.bigmodel.dispatch_checkpoint",
+    **dict.fromkeys(
+        ("dispatch_model", "cpu_offload", "disk_offload", "cpu_offload_with_hook"),
+        "retarget.bigmodel.dispatch",
+    ),
     "DeviceMap": "retarget.core.placement",
 }
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import warnings
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from retarget.bigmodel.checkpoint_files import CheckpointError
-from retarget.bigmodel.dispatch_checkpoint import DISPATCH_MODULE, load_checkpoint_and_dispatch
+from retarget.bigmodel.dispatch_checkpoint import load_checkpoint_and_dispatch
 from retarget.bigmodel.empty_init import init_empty_weights
 from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
 from retarget.core.disk_weights import read_disk_index
@@ -170,27 +168,19 @@ def test_load_checkpoint_and_dispatch_plans_the_map(tmp_path):
     reference = build("llama")
     write("hf_single", reference, tmp_path / "ckpt")
     model = empty("llama")
-    # The dispatch half comes from branch h-offload; without it the model is loaded and placed
-    # only, and a warning says so.
-    dispatch_exists = importlib.util.find_spec(DISPATCH_MODULE) is not None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = load_checkpoint_and_dispatch(
-            model,
-            tmp_path / "ckpt",
-            device_map="sequential",
-            max_memory={"cpu": "350KB"},
-            offload_folder=tmp_path / "offload",
-        )
-    assert any("not dispatched" in str(w.message) for w in caught) != dispatch_exists
+    out = load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map="sequential",
+        max_memory={"cpu": "350KB"},
+        offload_folder=tmp_path / "offload",
+    )
     assert out is model
     disk = DISK_WEIGHTS.get(model)
     assert disk and all(k.startswith(("model.layers.", "lm_head", "model.norm")) for k in disk)
     assert not model.model.embed_tokens.weight.is_meta
-    if dispatch_exists:
-        assert torch.equal(logits(model, "llama"), logits(reference, "llama"))
-    else:
-        assert all(model.get_parameter(k).is_meta for k in disk)
+    assert all(model.get_parameter(k).is_meta for k in disk)  # between calls: on disk only
+    assert torch.equal(logits(model, "llama"), logits(reference, "llama"))
 
 
 # --- bad inputs: every error names the file / key / module, and the model is left unused ---

@@ -61,6 +61,7 @@ NON_DEFAULT = [
     "fsdp+offload[optimizer=false,pin_memory=true]",
     "fsdp+offload[params=false]",
     "compile[backend=aot_eager,dynamic=false,fullgraph=true,mode=reduce-overhead,regional=true]",
+    "stream[from=cpu,max_memory=2GiB,prefetch=3]",
     "ddp+powersgd[error_feedback=false,min_compression_rate=1.5,rank=4,start_iter=0,"
     "warm_start=false,wrapper=bf16]",
 ]
@@ -202,7 +203,8 @@ ERRORS = [
         "xyzzy",
         "xyzzy",
         "unknown target part 'xyzzy'; expected one of: single, ddp, fsdp, zero1, zero2, zero3, "
-        "hsdp, tp, xla, bf16, fp16, fp8, ac, offload, compile, powersgd, fp16-comm, bf16-comm",
+        "hsdp, tp, xla, bf16, fp16, fp8, ac, offload, compile, powersgd, fp16-comm, bf16-comm, "
+        "stream",
     ),
     # unknown options
     (

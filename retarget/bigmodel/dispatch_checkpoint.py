@@ -1,14 +1,11 @@
 """load_checkpoint_and_dispatch: plan a device map, load the checkpoint into it, dispatch.
 
-The dispatch half (hooks that bring offloaded weights to the execution device) is
-`retarget.bigmodel.dispatch.dispatch_model`, built on branch h-offload. Until that module is
-present the model is loaded and placed only, and a warning says so once.
+Tensors the map sends to disk are not loaded: the loader records where each lives, and
+`dispatch_model` hooks their modules to bring them in from there when they run.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -17,9 +14,8 @@ from torch import nn
 
 from retarget.bigmodel.checkpoint_files import as_floating_dtype
 from retarget.bigmodel.device_map import resolve_device_map
+from retarget.bigmodel.dispatch import dispatch_model
 from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
-
-DISPATCH_MODULE = "retarget.bigmodel.dispatch"
 
 
 def load_checkpoint_and_dispatch(
@@ -56,15 +52,4 @@ def load_checkpoint_and_dispatch(
     )
     if not entries:
         return model
-    try:
-        dispatch = importlib.import_module(DISPATCH_MODULE)
-    except ModuleNotFoundError:
-        warnings.warn(
-            f"{DISPATCH_MODULE} is not available: the model was loaded and placed along the "
-            "device map but not dispatched (tensors mapped to disk stay on meta)",
-            stacklevel=2,
-        )
-        return model
-    return dispatch.dispatch_model(
-        model, loaded.device_map, offload_dir=offload_folder, **dispatch_options
-    )
+    return dispatch_model(model, loaded.device_map, offload_dir=offload_folder, **dispatch_options)

@@ -75,7 +75,8 @@ def load_checkpoint_in_model(
     `strict=False` turns missing and unexpected keys into a warning (missing ones stay meta).
     `mmap=True` leaves cpu tensors that need no cast backed by the safetensors file's private
     memory map (no copy, no anonymous memory; the file must then not be rewritten in place
-    while the model lives).
+    while the model lives); their file and key are recorded beside the disk ones (slot
+    DISK_WEIGHTS), so the stream part reads them from the checkpoint instead of a copy.
 
         >>> with retarget.init_empty_weights():
         ...     model = LlamaForCausalLM(config)
@@ -88,16 +89,20 @@ def load_checkpoint_in_model(
     groups = _plan(model, state, files, entries, target)
     _check_keys(model, files, state, groups, strict)
     _check_offload_folder(groups, offload_folder)
-    disk, loaded = _load_groups(model, groups, files, offload_folder, mmap)
+    disk, loaded, mapped = _load_groups(model, groups, files, offload_folder, mmap)
     if offload_folder is not None and disk:
         write_disk_index(offload_folder, disk)
-    DISK_WEIGHTS.set(model, disk)
+    DISK_WEIGHTS.set(model, disk | mapped)
     return LoadedCheckpoint(device_map=entries, disk=disk, loaded=loaded)
 
 
-def _load_groups(model, groups, files, folder, mmap) -> tuple[dict[str, DiskWeight], int]:
-    """Read, cast, place and set every group; on any failure, undo and mark the model."""
+def _load_groups(model, groups, files, folder, mmap):
+    """Read, cast, place and set every group; on any failure, undo and mark the model.
+
+    Returns (records of tensors left on disk, tensors loaded, records of memory-mapped ones).
+    """
     disk: dict[str, DiskWeight] = {}
+    mapped: dict[str, DiskWeight] = {}
     done: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
         with tensor_reader(mapped=mmap) as reader:
@@ -110,6 +115,8 @@ def _load_groups(model, groups, files, folder, mmap) -> tuple[dict[str, DiskWeig
                 value = reader.read(group.stored)
                 if value.dtype != group.dtype:
                     value = value.to(group.dtype)
+                elif mmap and _mappable(group) and group.device == CPU:
+                    mapped |= _record(group, str(group.stored.file.resolve()), group.stored.key)
                 done += _set_tensor(model, group, value.to(group.device))
     except Exception as error:
         metas: dict[int, torch.Tensor] = {}
@@ -122,7 +129,7 @@ def _load_groups(model, groups, files, folder, mmap) -> tuple[dict[str, DiskWeig
         _mark_failed(model, message)
         raise CheckpointError(message) from error
     _clear_failed(model)
-    return disk, len(done)
+    return disk, len(done), mapped
 
 
 def _plan(model, state, files: CheckpointFiles, entries, target) -> list[TensorGroup]:
@@ -236,7 +243,13 @@ def _offload(model, group, reader, folder) -> dict[str, DiskWeight]:
         del value
     meta = torch.empty(shape, dtype=group.dtype, device="meta")
     _set_tensor(model, group, meta)
+    return _record(group, file, key)
+
+
+def _record(group: TensorGroup, file: str, key: str) -> dict[str, DiskWeight]:
+    """A DiskWeight for every key of the group: `file`'s tensor `key` holds its value."""
     dtype_name = str(group.dtype).removeprefix("torch.")
+    shape = group.stored.shape
     return {k: DiskWeight(file=file, key=key, dtype=dtype_name, shape=shape) for k in group.keys}
 
 

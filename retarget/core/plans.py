@@ -11,6 +11,7 @@ scaler, ZeroRedundancyOptimizer) and the optimizer guard; the report prints the 
     comm_hook     CommHookPlan    comm_hook                apply_plan (runtime.comm_hooks)
     loss_scaler   LossScalerPlan  insert_autocast (fp16)   Runtime (runtime.scaler)
     fp8           Fp8Plan         swap_fp8 (msamp)         the user (MS-AMP's optimizer)
+    stream        StreamPlan      plan_stream              driver (bigmodel.stream_weights), report
     applied       AppliedPlan     apply_plan               Runtime, optimizer guard, report
 
 Each record is frozen: a pass replaces a field, nobody edits a record in place. `to_dict()`
@@ -169,6 +170,31 @@ class Fp8Plan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StreamPlan:
+    """Inference with weights off the execution device (`stream[...]`).
+
+    The pass records the request; `device_map` is filled when it is applied (the blocks sized
+    against the budget), together with how many tensors went where.
+    """
+
+    source: str
+    """"disk" or "cpu": where the weights that do not fit the budget live."""
+    prefetch: int
+    max_memory: int | float | None
+    """Bytes of resident weights, a share of the model's, or None (free memory)."""
+    device_map: Mapping[str, str] = field(default_factory=dict)
+    folder: str = ""
+    offloaded_bytes: int = 0
+    units: int = 0
+
+    def describe(self) -> str:
+        where = f"{self.units} blocks from {self.source}" if self.units else "nothing offloaded"
+        return f"stream: {where}, prefetch {self.prefetch}" + (
+            f", folder {self.folder}" if self.folder else ""
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class AppliedPlan:
     """What apply_plan did in this process."""
 
@@ -192,6 +218,7 @@ class Plan:
     comm_hook: CommHookPlan | None = None
     loss_scaler: LossScalerPlan | None = None
     fp8: Fp8Plan | None = None
+    stream: StreamPlan | None = None
     applied: AppliedPlan | None = None
 
     @property

@@ -20,6 +20,7 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     TE_RECIPE      a Transformer Engine module's recipe             kernels.fp8.backends
     DISK_WEIGHTS   per tensor name, the file/key it is mapped from  bigmodel.load_checkpoint
     LOAD_FAILED    why a checkpoint load left the model unusable    bigmodel.load_checkpoint
+    OFFLOAD        the offload hooks of a dispatched model          bigmodel.dispatch
 """
 
 from __future__ import annotations
@@ -68,3 +69,4 @@ AUTOCAST_EVAL: Slot[bool] = Slot("autocast_eval")
 TE_RECIPE: Slot[Any] = Slot("te_recipe")
 DISK_WEIGHTS: Slot[dict] = Slot("disk_weights")
 LOAD_FAILED: Slot[str] = Slot("load_failed")
+OFFLOAD: Slot[Any] = Slot("offload")

@@ -8,9 +8,10 @@ from typing import IO, Any
 
 from torch import nn
 
-from retarget.core.errors import EagerRegionWarning
+from retarget.bigmodel.stream_weights import stream_weights
+from retarget.core.errors import EagerRegionWarning, TargetNotSupportedError
 from retarget.core.modules import structural_copy, with_mixin
-from retarget.core.slots import PROGRAM
+from retarget.core.slots import OFFLOAD, PROGRAM
 from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
 from retarget.ir.hooks import users_hooks_set_aside
@@ -59,6 +60,7 @@ def compile_for(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_for takes an nn.Module, got {type(model).__name__}")
+    _refuse_weightless(model)
     target = _resolve_target(target, world_size)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -86,7 +88,27 @@ def compile_for(
     warn_eager_regions(program)
     # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
     apply_plan(program)
+    # stream: the blocks that do not fit leave both models after every other decision.
+    stream_weights(program)
     return root
+
+
+def _refuse_weightless(model: nn.Module) -> None:
+    """compile_for runs the model to capture it: its weights must be there (or mapped)."""
+    dispatched = OFFLOAD.get(model) is not None
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if dispatched or meta:
+        what = (
+            "is dispatched (its offloaded weights live outside it)"
+            if dispatched
+            else (f"has weights on the meta device ({meta})")
+        )
+        raise TargetNotSupportedError(
+            f"compile_for: the model {what}; capture runs the model, so it needs its weights. "
+            "Load the checkpoint memory-mapped (load_checkpoint_in_model(model, path, "
+            "mmap=True): no memory is taken) and add the stream part to the target "
+            "(e.g. 'bf16+stream[from=disk,max_memory=2GB]') to run it within a budget"
+        )
 
 
 def warn_eager_regions(program: Program) -> None:

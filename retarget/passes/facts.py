@@ -83,6 +83,11 @@ def comm_hook_planned(p: Program) -> bool:
 
 
 #: provides token -> the predicate that must hold once a pass providing it has run.
+def stream_planned(p: Program) -> bool:
+    """plan.stream holds what the driver offloads after the plan is applied"""
+    return p.plan.stream is not None
+
+
 FACTS: dict[str, Fact] = {
     "tree": module_tree_built,
     "blocks": blocks_in_tree,
@@ -95,4 +100,5 @@ FACTS: dict[str, Fact] = {
     "zero1": zero1_planned,
     "fsdp": fsdp_planned,
     "comm_hook": comm_hook_planned,
+    "stream": stream_planned,
 }

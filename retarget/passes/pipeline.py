@@ -16,6 +16,7 @@ from retarget.passes.base import Pass
 from retarget.passes.capture.capture_regions import CaptureOptions, CaptureRegions
 from retarget.passes.comm.install_comm_hook import InstallCommHook
 from retarget.passes.memory.checkpoint_blocks import CheckpointBlocks
+from retarget.passes.place.plan_stream import PlanStream
 from retarget.passes.precision.insert_autocast import InsertAutocast
 from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
@@ -53,6 +54,9 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),
     # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
     (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
+    # stream: inference with weights brought in per block. Last: the weights it moves are the
+    # final ones every rewrite left (the target refuses it next to training strategies).
+    (frozenset({"stream"}), PlanStream),
 )
 
 #: Parts no pass realises because there is nothing to do: one process, nothing to distribute.

@@ -1,4 +1,4 @@
-"""The distribution plan as report lines: DDP buckets, FSDP units per rank, hooks, applied or not.
+"""The plan as report lines: DDP buckets, FSDP units per rank, hooks, applied or not; streaming.
 
 `retarget.report.summary` appends these lines to the text report; the JSON report carries the plan
 itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
@@ -6,17 +6,17 @@ itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
 
 from __future__ import annotations
 
-from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan
+from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan, StreamPlan
 
 _SHOWN_RANKS = 8
 _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
 
 def plan_lines(plan: Plan) -> list[str]:
-    """Lines for the text report; [] when the plan has nothing about distribution."""
+    """Lines for the text report; [] when the plan has nothing about distribution or streaming."""
     record = plan.distribution
     if record is None:
-        return []
+        return _stream_lines(plan.stream) if plan.stream is not None else []
     lines = [
         "",
         f"distribution plan: {record.strategy} over {record.world.describe()}; "
@@ -31,6 +31,19 @@ def plan_lines(plan: Plan) -> list[str]:
         )
     if plan.comm_hook is not None:
         lines.append(f"  comm hook: {plan.comm_hook.describe()}")
+    return lines
+
+
+def _stream_lines(plan: StreamPlan) -> list[str]:
+    lines = ["", plan.describe()]
+    if plan.device_map:
+        lines.append(
+            f"  offloaded: {plan.offloaded_bytes:,} bytes in {plan.units} blocks; device map:"
+        )
+        rows = [("module", "device")] + [(k or "<model>", v) for k, v in plan.device_map.items()]
+        lines += _table(rows)
+    else:
+        lines.append("  device map: planned when the plan is applied")
     return lines
 
 

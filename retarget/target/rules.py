@@ -43,11 +43,16 @@ CONFLICTS: dict[frozenset[str], str] = {
 }
 #: Parts that combine only with the listed ones.
 ONLY_WITH = {
+    "stream": (
+        ("single", "bf16", "fp16"),
+        "it runs inference in one process, bringing weights in block by block; training and "
+        "distribution strategies keep every weight they update",
+    ),
     "xla": (
         ("bf16",),
         "XLA compiles and distributes the whole program, and no pass implements 'xla' yet; "
         "drop 'xla' to run on this process's device",
-    )
+    ),
 }
 _HOOK_NEEDS = (DDP_STRATEGIES, "comm hooks change DDP's gradient all-reduce")
 #: Parts that need one of the listed parts.

@@ -197,6 +197,19 @@ PARTS: dict[str, PartSchema] = {
     ),
     "fp16-comm": PartSchema("all-reduce gradients in float16 (DDP comm hook)"),
     "bf16-comm": PartSchema("all-reduce gradients in bfloat16 (DDP comm hook)"),
+    "stream": PartSchema(
+        "inference: keep weights off the execution device, bring each block in to run it",
+        {
+            "from": enum_option("disk", "disk|cpu", "where the weights that do not fit live"),
+            "prefetch": int_option(1, "blocks read ahead on a background thread", low=0),
+            "max_memory": Option(
+                "budget",
+                None,
+                "weights kept resident: a size (2GB) or a share of the model (0.25); "
+                "default 90% of free memory",
+            ),
+        },
+    ),
 }
 #: Each part's place in canonical order.
 PART_ORDER = {name: i for i, name in enumerate(PARTS)}
