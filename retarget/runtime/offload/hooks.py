@@ -142,8 +142,8 @@ class OffloadRuntime:
             if i not in self._pending:
                 self._pending[i] = self._pool.submit(self._read_ahead, self.units[i])
 
-    def _read_ahead(self, unit: OffloadUnit) -> dict[int, torch.Tensor]:
-        return {id(t): t.source.load(self.device, warm=True) for t in unit.tensors}
+    def _read_ahead(self, unit: OffloadUnit) -> dict[int, torch.Tensor | None]:
+        return {id(t): t.source.prefetch(self.device) for t in unit.tensors}
 
     def _drop_pending(self, keep: set[int]) -> None:
         for i in [i for i in self._pending if i not in keep]:
