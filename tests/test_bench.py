@@ -159,3 +159,16 @@ def test_coverage_table_has_its_section_and_leaves_the_full_table_alone(tmp_path
     assert llama in section
     assert "| 1.00 | no | decoder.block.*: export: a \\| b |" in section  # pipes escaped
     assert "| falcon |" in section and "error: RuntimeError: boom" in section
+
+
+def test_offload_rows_read_the_offload_suites_figures():
+    figures = {
+        "anon_growth ours / (budget + largest block)": 0.646,
+        "time_per_token ours/accelerate": 0.386,
+        "peak_rss ours/accelerate": 0.853,
+        "load time hidden by prefetch": 0.57,
+    }
+    rows = bench.SUITES["offload"].rows(figures)
+    assert ("disk offload", "time_per_token ours / Accelerate", "0.39x") in rows
+    assert ("disk offload", "cold load time hidden by prefetch", "57%") in rows
+    assert ("disk offload", "RssAnon growth / (budget + largest block)", "0.65x") in rows

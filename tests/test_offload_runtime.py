@@ -32,7 +32,8 @@ def test_a_disk_tensor_on_cpu_is_used_from_the_map_without_anonymous_memory(tmp_
     del tensor
     source = DiskSource(record, SafetensorsFiles())
     before = rss_anon()
-    loaded = source.load(torch.device("cpu"), warm=True)
+    assert source.prefetch(torch.device("cpu")) is None  # read ahead by the kernel, not copied
+    loaded = source.load(torch.device("cpu"))
     total = float(loaded.sum())  # every page read
     grown = rss_anon() - before
     assert grown < 8 * 2**20, f"RssAnon grew {grown} bytes for a mapped tensor"
@@ -144,3 +145,20 @@ def test_the_prefetch_order_is_learned_from_the_calls():
 def test_a_negative_prefetch_is_refused():
     with pytest.raises(ValueError, match="prefetch=-2 must be >= 0"):
         OffloadRuntime([], "cpu", prefetch=-2)
+
+
+def test_the_first_units_are_read_ahead_when_the_model_is_called():
+    """Without watch_calls the first unit of a call (after release) is read when reached."""
+    for watched, first_call_loads in ((False, 1), (True, 0)):
+        model = Stack()
+        blocks = {"blocks.0", "blocks.1", "blocks.2"}
+        units = UnitPlanner(model, {}, blocks=blocks).plan([("blocks", "cpu")])
+        runtime = OffloadRuntime(units, "cpu", prefetch=1).attach()
+        if watched:
+            runtime.watch_calls(model)
+        ids = torch.randint(0, 10, (2, 5))
+        model(ids)
+        assert runtime.loads == first_call_loads
+        runtime.release()  # nothing read ahead survives
+        model(ids)
+        assert runtime.loads == 2 * first_call_loads

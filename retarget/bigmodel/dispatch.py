@@ -104,7 +104,7 @@ def offload_entries(
     _refuse_meta_left(model, entries, offloaded, records)
     blocks = no_split_paths(model, preload_module_classes)
     planner = UnitPlanner(model, records, offload_buffers, blocks, also=tuple(also))
-    runtime = OffloadRuntime(planner.plan(offloaded), main, prefetch).attach()
+    runtime = OffloadRuntime(planner.plan(offloaded), main, prefetch).attach().watch_calls(model)
     for key, device in entries.items():
         if device not in (CPU, DISK) and torch.device(device) != main:
             runtime.align_inputs(model.get_submodule(key), torch.device(device))
@@ -130,7 +130,7 @@ def cpu_offload(
     blocks = no_split_paths(model, preload_module_classes)
     planner = UnitPlanner(model, {}, offload_buffers, blocks)
     units = planner.plan([("", CPU)])
-    runtime = OffloadRuntime(units, main, prefetch).attach()
+    runtime = OffloadRuntime(units, main, prefetch).attach().watch_calls(model)
     OFFLOAD.set(model, runtime)
     return model
 
@@ -152,7 +152,7 @@ def disk_offload(
     blocks = no_split_paths(model, preload_module_classes)
     planner = UnitPlanner(model, records, offload_buffers, blocks)
     units = planner.plan([("", DISK)])
-    runtime = OffloadRuntime(units, main, prefetch).attach()
+    runtime = OffloadRuntime(units, main, prefetch).attach().watch_calls(model)
     OFFLOAD.set(model, runtime)
     return model
 

@@ -134,6 +134,32 @@ def _big_load_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _offload_rows(d: dict) -> list[Row]:
+    rows = [
+        (
+            "disk offload",
+            "RssAnon growth / (budget + largest block)",
+            f"{d['anon_growth ours / (budget + largest block)']:.2f}x",
+        )
+    ]
+    for figure in ("time_per_token", "peak_rss"):
+        rows.append(
+            (
+                "disk offload",
+                f"{figure} ours / Accelerate",
+                f"{d[f'{figure} ours/accelerate']:.2f}x",
+            )
+        )
+    rows.append(
+        (
+            "disk offload",
+            "cold load time hidden by prefetch",
+            f"{d['load time hidden by prefetch']:.0%}",
+        )
+    )
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -181,6 +207,14 @@ SUITES: dict[str, Suite] = {
             results="big_load.json",
             rows=_big_load_rows,
             quick_env={"RETARGET_BENCH_ROUNDS": "3"},
+        ),
+        Suite(
+            name="offload",
+            file="test_offload.py",
+            results="offload.json",
+            rows=_offload_rows,
+            quick_env={"RETARGET_BENCH_ROUNDS": "3"},
+            needs=("accelerate",),
         ),
     )
 }

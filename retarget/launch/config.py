@@ -93,6 +93,8 @@ class LaunchConfig:
     """Comma-separated device indices of this machine to use, or "all"."""
     rdzv_backend: str | None = None
     """torchrun rendezvous backend: static (master address and port) or c10d."""
+    max_restarts: int | None = None
+    """Times torchrun's elastic agent restarts every rank after one fails (default 0)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each set field was read, e.g. {"target": "--target"}: errors name it."""
 
@@ -176,6 +178,7 @@ SETTINGS: dict[str, Callable[[str, Any], Any]] = {
     "use_cpu": _boolean,
     "gpu_ids": _gpu_ids,
     "rdzv_backend": _choice(RDZV_BACKENDS),
+    "max_restarts": _integer(0),
 }
 assert set(SETTINGS) == {f.name for f in fields(LaunchConfig)} - {"origins"}
 

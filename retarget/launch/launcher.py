@@ -85,6 +85,8 @@ class LaunchPlan:
     """Rendezvous port."""
     rdzv_backend: str = "static"
     """torchrun rendezvous backend."""
+    max_restarts: int = 0
+    """Restarts of the whole worker group after a rank fails (torchrun's elastic agent)."""
     use_cpu: bool = False
     """Hide accelerators from the script."""
     gpu_ids: str | None = None
@@ -98,8 +100,8 @@ class LaunchPlan:
 
     @property
     def direct(self) -> bool:
-        """One process on one machine: run the script without torchrun."""
-        return self.num_processes == 1
+        """One process on one machine, never restarted: run the script without torchrun."""
+        return self.num_processes == 1 and not self.max_restarts
 
 
 def resolve(
@@ -139,6 +141,7 @@ def resolve(
         main_process_ip=final.main_process_ip or "127.0.0.1",
         main_process_port=port,
         rdzv_backend=final.rdzv_backend or "static",
+        max_restarts=final.max_restarts or 0,
         use_cpu=bool(final.use_cpu),
         gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
         config_file=None if path is None else str(path),
@@ -177,6 +180,8 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
     else:
         endpoint = f"{plan.main_process_ip}:{plan.main_process_port}"
         args += ["--rdzv_backend", plan.rdzv_backend, "--rdzv_endpoint", endpoint]
+    if plan.max_restarts:
+        args += ["--max_restarts", str(plan.max_restarts)]
     # --no_python: torchrun runs `python -u worker.py script args` as each rank's command.
     args += ["--no_python", sys.executable, "-u", str(WORKER), plan.script, *plan.script_args]
     return args
@@ -319,6 +324,11 @@ _FLAG_HELP = {
     "use_cpu": (None, "hide accelerators from the script (CUDA_VISIBLE_DEVICES='')"),
     "gpu_ids": ("IDS", "devices of this machine to use, e.g. 0,1 (default all)"),
     "rdzv_backend": ("|".join(RDZV_BACKENDS), "torchrun rendezvous (default static)"),
+    "max_restarts": (
+        "N",
+        "restart every rank up to N times after one fails (default 0); the script resumes "
+        "with resume_from_latest / load_state",
+    ),
 }
 
 

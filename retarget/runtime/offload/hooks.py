@@ -6,9 +6,11 @@ by their meta placeholders again, so between calls an offloaded tensor takes no 
 two running units share (a tie) is counted and released by the last one.
 
 Prefetch: with `prefetch=k`, the next k units' tensors are read on one background thread while
-the current unit computes. The order is learned: each unit remembers which unit ran after it
-last time (the first pass follows module order), so an encoder-decoder's generate loop, which
-runs the decoder again and again, prefetches decoder blocks rather than the encoder. At most k
+the current unit computes, and when the model is called (`watch_calls`) the first k are, while
+the resident modules before them compute. The order is learned: each unit remembers which
+unit ran after it last time (the first pass follows module order), so an encoder-decoder's
+generate loop, which runs the decoder again and again, prefetches decoder blocks rather than the
+encoder. At most k
 units are read ahead; a guess that turns out wrong is dropped, so memory stays bounded by the
 running units plus k.
 """
@@ -36,6 +38,8 @@ class OffloadRuntime:
         self._index = {id(u): i for i, u in enumerate(units)}
         self._after: dict[int, int] = {}
         self._last: int | None = None
+        self._first: int | None = None
+        self._starting = False
         self._pending: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="offload") if prefetch else None
         self._handles: list = []
@@ -48,6 +52,23 @@ class OffloadRuntime:
                 unit.module.register_forward_pre_hook(self._before(unit), with_kwargs=True)
             )
             self._handles.append(unit.module.register_forward_hook(self._after_hook(unit)))
+        return self
+
+    def watch_calls(self, root: nn.Module) -> OffloadRuntime:
+        """Read the first offloaded units ahead as soon as `root` (the model) is called: they
+        load while the resident modules before them compute, not when they are reached."""
+
+        def hook(_module, _args):
+            self._starting = True
+            if self._pool is not None and self.units:
+                first = self._first if self._first is not None else 0
+                upcoming = [first, *self._predict(first)][: self.prefetch]
+                self._drop_pending(keep=set(upcoming))
+                for i in upcoming:
+                    if i not in self._pending:
+                        self._pending[i] = self._pool.submit(self._read_ahead, self.units[i])
+
+        self._handles.append(root.register_forward_pre_hook(hook))
         return self
 
     @property
@@ -95,6 +116,8 @@ class OffloadRuntime:
         def hook(module: nn.Module, args, kwargs):
             if self._last is not None:
                 self._after[self._last] = index
+            if self._starting:
+                self._first, self._starting = index, False
             self._last = index
             future = self._pending.pop(index, None)
             values = future.result() if future is not None else self._read(unit)
@@ -142,8 +165,8 @@ class OffloadRuntime:
             if i not in self._pending:
                 self._pending[i] = self._pool.submit(self._read_ahead, self.units[i])
 
-    def _read_ahead(self, unit: OffloadUnit) -> dict[int, torch.Tensor]:
-        return {id(t): t.source.load(self.device, warm=True) for t in unit.tensors}
+    def _read_ahead(self, unit: OffloadUnit) -> dict[int, torch.Tensor | None]:
+        return {id(t): t.source.prefetch(self.device) for t in unit.tensors}
 
     def _drop_pending(self, keep: set[int]) -> None:
         for i in [i for i in self._pending if i not in keep]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from retarget.runtime.state.checkpoint_objects import (
 from retarget.runtime.state.dcp_state import load_model_state, save_model_state
 from retarget.runtime.state.folder import (
     CheckpointError,
+    DamagedCheckpointError,
     Manifest,
     begin_save,
     commit_save,
@@ -137,15 +139,32 @@ def _save_dir(output_dir: str | Path | None, project: ProjectConfig | None, stat
     return Path(output_dir)
 
 
-def _load_dir(input_dir: str | Path | None, project: ProjectConfig | None) -> Path:
+def _load_dirs(input_dir: str | Path | None, project: ProjectConfig | None) -> list[Path]:
+    """The folders to try, in order: the one given, else the project's newest first."""
     if input_dir is not None:
-        return Path(input_dir)
+        return [Path(input_dir)]
     if project is None or not project.automatic_checkpoint_naming:
         raise ValueError("load_state needs input_dir, or a ProjectConfig with automatic naming")
     existing = numbered_checkpoints(project)
     if not existing:
         raise CheckpointError(f"no complete checkpoint under {project.checkpoints_dir}")
-    return existing[-1]
+    return existing[::-1]
+
+
+def _verified(folders: list[Path], world_size: int) -> tuple[Path, Manifest]:
+    """The first folder that verifies; a damaged one is skipped with a warning when an older
+    one remains (every rank reads the same files, so every rank skips the same ones)."""
+    for index, folder in enumerate(folders):
+        try:
+            return folder, verify_folder(folder, world_size=world_size)
+        except DamagedCheckpointError as error:
+            if index == len(folders) - 1:
+                raise
+            warnings.warn(
+                f"{error} Skipping it: resuming from the previous checkpoint, {folders[index + 1]}",
+                stacklevel=3,
+            )
+    raise AssertionError("unreachable: folders is never empty")
 
 
 def _prune(project: ProjectConfig | None, state: ProcessState) -> None:
@@ -230,16 +249,17 @@ def load_state(
 ) -> ResumePoint:
     """Restore what save_state saved into the same kinds of objects, in the same order.
 
-    Without `input_dir`, the project's latest complete checkpoint. The folder is checked first
-    (complete, written by retarget, by as many processes as this run has); every generator's
-    state is restored last, so the next random draw is the one the saved run made next.
+    Without `input_dir`, the project's latest complete checkpoint; a damaged one (a file
+    missing, resized or altered since the save) is skipped with a warning for the one before.
+    The folder is checked first (complete, intact, written by retarget, by as many processes
+    as this run has); every generator's state is restored last, so the next random draw is the
+    one the saved run made next.
     """
     state = ProcessState.current()
     objects = CheckpointObjects.build(
         model, optimizers, schedulers, scaler, dataloaders, custom_objects
     )
-    folder = _load_dir(input_dir, project)
-    manifest = verify_folder(folder, world_size=state.world_size)
+    folder, manifest = _verified(_load_dirs(input_dir, project), state.world_size)
     _check_contents(folder, manifest.contents, objects.contents())
 
     load_model_state(folder, objects, state)
@@ -247,6 +267,20 @@ def load_state(
     return ResumePoint(
         path=folder, step=saved["step"], accumulation_step=saved["accumulation_step"]
     )
+
+
+def resume_from_latest(project: ProjectConfig | str | Path, **objects: Any) -> ResumePoint | None:
+    """After a restart: load the project's newest intact checkpoint into `objects` (the
+    keyword arguments of load_state), or return None when there is none yet (a fresh start).
+
+        >>> point = resume_from_latest("runs/llama", model=model, optimizers=[opt])
+        >>> start = point.step if point else 0
+    """
+    if not isinstance(project, ProjectConfig):
+        project = ProjectConfig(project_dir=project)
+    if not numbered_checkpoints(project):
+        return None
+    return load_state(project=project, **objects)
 
 
 def _check_contents(folder: Path, saved: dict[str, Any], given: dict[str, Any]) -> None:

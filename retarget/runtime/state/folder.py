@@ -3,18 +3,20 @@
 A save that dies half way (a kill, a full disk, a lost node) must never leave something that
 looks like a checkpoint. So every rank writes into a staging folder next to the target
 (`.checkpoint_3.incomplete`), fsyncing its files; after a barrier rank 0 writes `manifest.json`
-(every file with its size, the world size, the retarget and torch versions), fsyncs it and the
-folders, and renames the staging folder to its final name (then fsyncs the parent). The rename
-is atomic: the final name either does not exist or names a complete folder. A previous
-checkpoint is never touched by a save, so it stays loadable whatever happens to the new one.
+(every file with its size and SHA-256, the world size, the retarget and torch versions),
+fsyncs it and the folders, and renames the staging folder to its final name (then fsyncs the
+parent). The rename is atomic: the final name either does not exist or names a complete
+folder. A previous checkpoint is never touched by a save, so it stays loadable whatever
+happens to the new one.
 
 `verify_folder` is the reading side: it says exactly what is wrong with a folder that is not a
-complete checkpoint of this run (missing, interrupted, foreign, another world size), and what
-to do instead.
+complete checkpoint of this run (missing, interrupted, damaged: a file missing, resized or with
+other bytes than its SHA-256 says, foreign, another world size), and what to do instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -44,6 +46,11 @@ class IncompleteCheckpointError(CheckpointError):
     """A save was interrupted: the folder lacks its manifest or some of the files it lists."""
 
 
+class DamagedCheckpointError(IncompleteCheckpointError):
+    """A complete checkpoint whose files were changed after the save: missing, resized, or
+    with other bytes than their SHA-256 in the manifest says."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
     """What a complete checkpoint holds; written last, read first."""
@@ -56,6 +63,8 @@ class Manifest:
     """How many of each part were saved (optimizers, schedulers, ...), step, accumulation step."""
     files: dict[str, int] = field(default_factory=dict)
     """Every file of the checkpoint (relative path) with its size in bytes."""
+    sha256: dict[str, str] = field(default_factory=dict)
+    """Every file's SHA-256 (hex), checked on load: a flipped bit is refused, not trained on."""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     retarget_version: str = ""
@@ -81,6 +90,15 @@ def _listing(folder: Path) -> dict[str, int]:
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def begin_save(final: Path, state: ProcessState) -> Path:
@@ -113,7 +131,12 @@ def commit_save(final: Path, manifest: Manifest, state: ProcessState) -> None:
     state.wait_for_everyone()
     if state.is_main_process:
         files = _listing(staging)
-        record = asdict(manifest) | {"files": files, "retarget_version": __version__}
+        hashes = {name: file_sha256(staging / name) for name in files}
+        record = asdict(manifest) | {
+            "files": files,
+            "sha256": hashes,
+            "retarget_version": __version__,
+        }
         path = staging / MANIFEST
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
@@ -199,8 +222,18 @@ def verify_folder(folder: Path, *, world_size: int) -> Manifest:
     if missing or resized:
         parts = [f"missing: {', '.join(missing)}"] if missing else []
         parts += [f"wrong size: {', '.join(resized)}"] if resized else []
-        raise IncompleteCheckpointError(
+        raise DamagedCheckpointError(
             f"{folder} is damaged: {'; '.join(parts)}. Load another checkpoint"
+        )
+    altered = [
+        name
+        for name, digest in manifest.sha256.items()
+        if name in present and file_sha256(folder / name) != digest
+    ]
+    if altered:
+        raise DamagedCheckpointError(
+            f"{folder} is damaged: the content of {', '.join(altered)} differs from what was "
+            "saved (SHA-256 in the manifest). Load another checkpoint"
         )
     if manifest.world_size != world_size:
         kind = "sharded (FSDP) " if manifest.sharded else ""
