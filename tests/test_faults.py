@@ -1,12 +1,16 @@
 """Faults: a rank killed between two checkpoints, the job restarted by `retarget launch
 --max_restarts`, resumed from the newest checkpoint, ends with the weights of an uninterrupted
-run (bitwise), under ddp and fsdp on 2 gloo ranks."""
+run (bitwise), under ddp and fsdp on 2 gloo ranks. Preemption: SIGTERM or SIGUSR1 to the
+launcher makes every rank save after the current step and the job exit 0; the next launch
+resumes bitwise."""
 
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +57,53 @@ def test_without_restarts_a_killed_rank_fails_the_job_naming_it(tmp_path):
     done = launch(tmp_path / "run", "ddp", kill_at=5, restarts=0, home=tmp_path)
     assert done.returncode != 0
     assert "rank 1" in done.stderr and "SIGKILL" in done.stderr
+
+
+def launch_until(folder: Path, target: str, signum: int, after_step: int, home: Path):
+    """Launch a preemptible run, send `signum` to the launcher once a rank printed STEP
+    `after_step`; returns (exit code, seconds from the signal to the exit, output)."""
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PREEMPTIBLE": "1"}
+    command = [
+        sys.executable, "-m", "retarget", "launch", "--num_processes", "2", "--target", target,
+        str(SCRIPT), str(folder), "200", "1000", "-1",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.strip() == f"STEP {after_step}":
+            break
+    signalled = time.monotonic()
+    process.send_signal(signum)
+    lines += process.stdout.readlines()
+    code = process.wait(timeout=120)
+    return code, time.monotonic() - signalled, "".join(lines)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, tmp_path):
+    folder = tmp_path / "run"
+    code, seconds, output = launch_until(folder, "ddp", signum, after_step=3, home=tmp_path)
+    assert code == 0, output[-3000:]
+    assert seconds < 35, f"took {seconds:.1f} s to stop"  # torchrun's grace is 30 s
+    saved = sorted((folder / "checkpoints").iterdir())
+    assert len(saved) == 1 and not (folder / "final.safetensors").exists()
+    # The next launch resumes where the preempted one stopped and finishes.
+    resumed = subprocess.run(
+        [
+            sys.executable, "-m", "retarget", "launch", "--num_processes", "2", "--target",
+            "ddp", str(SCRIPT), str(folder), "12", "1000", "-1",
+        ],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int((folder / "attempts.txt").read_text().split()[1])
+    assert 3 <= start < 12
+    straight = launch(tmp_path / "straight", "ddp", kill_at=-1, restarts=0, home=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = load_file(tmp_path / "straight" / "final.safetensors")
+    got = load_file(folder / "final.safetensors")
+    assert all(torch.equal(value, got[key]) for key, value in expected.items())

@@ -51,6 +51,7 @@ from retarget.launch.config import (
     read_launch_config,
     read_settings,
 )
+from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.target.grammar import Target
 from retarget.target.precisions import MIXED_PRECISION, with_precision
 
@@ -210,11 +211,12 @@ def describe(plan: LaunchPlan) -> str:
 
 
 def run(plan: LaunchPlan) -> int:
-    """Run the plan to the end; returns the exit code (non-zero when any rank failed)."""
-    with _environment(worker_env(plan)):
+    """Run the plan to the end; returns the exit code (non-zero when any rank failed, 0 when
+    every rank stopped cleanly after a preemption signal)."""
+    with _environment(worker_env(plan)), stopped_dir() as stopped, relay_usr1():
         if plan.direct:
             return _run_direct(plan)
-        return _run_torchrun(plan)
+        return _run_torchrun(plan, stopped)
 
 
 @contextlib.contextmanager
@@ -245,7 +247,7 @@ def _run_direct(plan: LaunchPlan) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_torchrun(plan: LaunchPlan) -> int:
+def _run_torchrun(plan: LaunchPlan, stopped: Path) -> int:
     # torchrun in this process (as Accelerate runs it): its ChildFailedError says which rank
     # failed and how, which `python -m torch.distributed.run` would only print.
     from torch.distributed import run as torchrun
@@ -258,9 +260,16 @@ def _run_torchrun(plan: LaunchPlan) -> int:
         for line in failure_summary(failed.failures):
             print(f"retarget launch: {line}", file=sys.stderr)
         return 1
-    except SignalException as stopped:  # the launcher itself was interrupted or terminated
-        print(f"retarget launch: stopped by {stopped.sigval.name}", file=sys.stderr)
-        return 128 + int(stopped.sigval)
+    except SignalException as signalled:  # the launcher itself was interrupted or terminated
+        name = signalled.sigval.name
+        if stopped_ranks(stopped) == plan.nproc_per_node:
+            print(
+                f"retarget launch: preempted by {name}: every rank saved and stopped",
+                file=sys.stderr,
+            )
+            return 0
+        print(f"retarget launch: stopped by {name}", file=sys.stderr)
+        return 128 + int(signalled.sigval)
     return 0
 
 
