@@ -107,3 +107,23 @@ def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, tmp_
     expected = load_file(tmp_path / "straight" / "final.safetensors")
     got = load_file(folder / "final.safetensors")
     assert all(torch.equal(value, got[key]) for key, value in expected.items())
+
+
+def test_a_rank_stuck_outside_a_collective_is_named_after_the_timeout(tmp_path):
+    env = {
+        "HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+        "HANG_AT": "2", "RETARGET_TIMEOUT_S": "5",
+    }  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "retarget", "launch", "--num_processes", "2", "--target", "ddp",
+            str(SCRIPT), str(tmp_path / "run"), "12", "100", "-1",
+        ],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert time.monotonic() - started < 120  # the timeout, not the 30-minute default
+    assert "rank 1 stopped making progress: it was at" in done.stderr, done.stderr[-3000:]
+    assert "elastic_train.py" in done.stderr and "outside any collective" in done.stderr
+    assert "rank 0 waited inside torch" in done.stderr

@@ -51,6 +51,7 @@ from retarget.launch.config import (
     read_launch_config,
     read_settings,
 )
+from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.target.grammar import Target
 from retarget.target.precisions import MIXED_PRECISION, with_precision
@@ -216,7 +217,8 @@ def run(plan: LaunchPlan) -> int:
     with _environment(worker_env(plan)), stopped_dir() as stopped, relay_usr1():
         if plan.direct:
             return _run_direct(plan)
-        return _run_torchrun(plan, stopped)
+        with progress_dir() as progress:
+            return _run_torchrun(plan, stopped, progress)
 
 
 @contextlib.contextmanager
@@ -247,7 +249,7 @@ def _run_direct(plan: LaunchPlan) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_torchrun(plan: LaunchPlan, stopped: Path) -> int:
+def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
     # torchrun in this process (as Accelerate runs it): its ChildFailedError says which rank
     # failed and how, which `python -m torch.distributed.run` would only print.
     from torch.distributed import run as torchrun
@@ -257,7 +259,11 @@ def _run_torchrun(plan: LaunchPlan, stopped: Path) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(plan)))
     except ChildFailedError as failed:
-        for line in failure_summary(failed.failures):
+        lines = failure_summary(failed.failures)
+        causes = " ".join(_cause(f, limit=10**6) for f in failed.failures.values()).lower()
+        if "timed out" in causes or "timeout" in causes:  # a hang: say who stopped moving
+            lines += stalled_lines(progress)
+        for line in lines:
             print(f"retarget launch: {line}", file=sys.stderr)
         return 1
     except SignalException as signalled:  # the launcher itself was interrupted or terminated

@@ -6,7 +6,8 @@ steps, resume from the newest intact checkpoint after a restart.
 With KILL_AT >= 0, rank 1 SIGKILLs itself right after step KILL_AT on the first attempt
 (TORCHELASTIC_RESTART_COUNT=0): the launcher's elastic agent restarts every rank, which resume
 and finish. With PREEMPTIBLE=1 it watches for SIGTERM/SIGUSR1, prints `STEP n` after each step
-(slowed to 0.1 s) and, when asked, saves and exits 0. Rank 0 writes OUT/final.safetensors
+(slowed to 0.1 s) and, when asked, saves and exits 0. With HANG_AT=n rank 1 sleeps forever at
+step n. Rank 0 writes OUT/final.safetensors
 (full weights) and OUT/attempts.txt.
 """
 
@@ -46,6 +47,8 @@ for step in range(start, steps):
     optimizer.zero_grad()
     if (step + 1) % every == 0:
         save_state(model=compiled, optimizers=[optimizer], step=step + 1, project=project)
+    if step == int(os.environ.get("HANG_AT", "-1")) and state.rank == 1:
+        time.sleep(10**6)  # stuck outside any collective: the others time out waiting
     if step == kill_at and state.rank == 1 and attempt == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     if preemption is not None:
