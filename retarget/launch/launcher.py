@@ -53,6 +53,7 @@ from retarget.launch.config import (
 )
 from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
+from retarget.launch.slurm import slurm_settings
 from retarget.target.grammar import Target
 from retarget.target.precisions import MIXED_PRECISION, with_precision
 
@@ -95,6 +96,8 @@ class LaunchPlan:
     """Devices of this machine the script sees; None: all."""
     config_file: str | None = None
     """The config file read, if any."""
+    derived: str = ""
+    """What was derived from the environment (a SLURM allocation), for the launch line."""
 
     @property
     def nproc_per_node(self) -> int:
@@ -118,7 +121,9 @@ def resolve(
     Nothing is started; `run(plan)` starts it.
     """
     path = config_in_effect(config_file)
-    layers = [flags or LaunchConfig()] + ([read_launch_config(path)] if path else [])
+    slurm = slurm_settings(os.environ)
+    layers = [flags or LaunchConfig()] + ([slurm[0]] if slurm else [])
+    layers += [read_launch_config(path)] if path else []
     settings = merged(layers)
     processes, machines = settings.num_processes or 1, settings.num_machines or 1
     target, origin = _target_in_effect(settings, processes)
@@ -147,6 +152,7 @@ def resolve(
         use_cpu=bool(final.use_cpu),
         gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
         config_file=None if path is None else str(path),
+        derived=slurm[1] if slurm else "",
     )
 
 
@@ -208,6 +214,7 @@ def describe(plan: LaunchPlan) -> str:
         f"retarget launch: {plan.script} on {plan.num_processes} process"
         f"{'es' if plan.num_processes > 1 else ''} ({machines}, {how}), target {plan.target} "
         f"({plan.target_origin}), config {plan.config_file or 'none'}"
+        + (f"; {plan.derived}" if plan.derived else "")
     )
 
 
