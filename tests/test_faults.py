@@ -127,3 +127,75 @@ def test_a_rank_stuck_outside_a_collective_is_named_after_the_timeout(tmp_path):
     assert "rank 1 stopped making progress: it was at" in done.stderr, done.stderr[-3000:]
     assert "elastic_train.py" in done.stderr and "outside any collective" in done.stderr
     assert "rank 0 waited inside torch" in done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_machines(folder: Path, target: str, processes: int, backend: str, home: Path) -> list:
+    """Two `retarget launch` invocations on this machine, as machine 0 and machine 1."""
+    port = str(_free_port())
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "retarget",
+                "launch",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                "--rdzv_backend",
+                backend,
+                "--num_processes",
+                str(processes),
+                "--target",
+                target,
+                str(SCRIPT),
+                str(folder),
+                "6",
+                "1000",
+                "-1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    return [(p.wait(timeout=300), p.stderr.read()) for p in launchers]
+
+
+@pytest.mark.parametrize(
+    ("target", "processes", "backend"),
+    [("ddp", 2, "static"), ("ddp", 2, "c10d"), ("hsdp[replicate=2,shard=2]", 4, "c10d")],
+)
+def test_two_machines_on_one_host_train_like_one_machine(target, processes, backend, tmp_path):
+    results = two_machines(tmp_path / "two", target, processes, backend, tmp_path)
+    assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    one = subprocess.run(
+        [
+            sys.executable, "-m", "retarget", "launch", "--num_processes", str(processes),
+            "--target", target, str(SCRIPT), str(tmp_path / "one"), "6", "1000", "-1",
+        ],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = load_file(tmp_path / "one" / "final.safetensors")
+    got = load_file(tmp_path / "two" / "final.safetensors")
+    assert expected.keys() == got.keys() and expected
+    assert all(torch.equal(value, got[key]) for key, value in expected.items())

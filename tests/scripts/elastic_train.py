@@ -62,5 +62,6 @@ for step in range(start, steps):
             )
 weights = get_state_dict(compiled)
 if state.rank == 0:
+    out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, out / "final.safetensors")
     (out / "attempts.txt").write_text(f"{attempt}\n{start}\n")
