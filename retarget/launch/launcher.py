@@ -345,7 +345,10 @@ _FLAG_HELP = {
     "mixed_precision": ("|".join(MIXED_PRECISION), "replaces the target's precision parts"),
     "use_cpu": (None, "hide accelerators from the script (CUDA_VISIBLE_DEVICES='')"),
     "gpu_ids": ("IDS", "devices of this machine to use, e.g. 0,1 (default all)"),
-    "rdzv_backend": ("|".join(RDZV_BACKENDS), "torchrun rendezvous (default static)"),
+    "rdzv_backend": (
+        "|".join(RDZV_BACKENDS),
+        "torchrun rendezvous (default static)",
+    ),
     "max_restarts": (
         "N",
         "restart every rank up to N times after one fails (default 0); the script resumes "
