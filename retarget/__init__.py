@@ -45,6 +45,8 @@ _LAZY_NAMES = {
     "infer_auto_device_map": "retarget.bigmodel.device_map",
     "load_checkpoint_in_model": "retarget.bigmodel.load_checkpoint",
     "load_checkpoint_and_dispatch": "retarget.bigmodel.dispatch_checkpoint",
+    "watch_preemption": "retarget.runtime.preemption",
+    "resume_from_latest": "retarget.runtime.state.checkpoint",
     **dict.fromkeys(
         ("dispatch_model", "cpu_offload", "disk_offload", "cpu_offload_with_hook"),
         "retarget.bigmodel.dispatch",

@@ -100,7 +100,7 @@ def test_stream_from_cpu_on_a_cpu_warns_and_offloads_nothing(tmp_path):
 
 @pytest.mark.parametrize("other", ["ddp", "fsdp", "ac", "fp8"])
 def test_stream_is_refused_next_to_training_parts(other):
-    with pytest.raises(TargetError, match=f"'stream' does not combine with '{other}'"):
+    with pytest.raises(TargetError, match=f"'stream' and '{other}' do not combine"):
         parse_target(f"stream+{other}")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from retarget.cli.bench_bigmodel import big_load_rows, offload_rows
 from retarget.cli.bench_coverage import coverage_markdown, coverage_rows
 from retarget.cli.commands import CliError, Handler, command
 
@@ -113,53 +114,6 @@ def _peer_rows(d: dict) -> list[Row]:
     return rows
 
 
-def _big_load_rows(d: dict) -> list[Row]:
-    growth = d["peak_rss_growth / weights"]
-    rows = []
-    for base, name in (("plain", "plain + load_state_dict"), ("accelerate", "Accelerate's")):
-        time_ratio = d[f"time_ratio empty_init/{base}"]
-        rss_ratio = d[f"peak_rss_ratio empty_init/{base}"]
-        rows.append(("big-model load", f"empty init + load: time / {name}", f"{time_ratio:.2f}x"))
-        rows.append(
-            ("big-model load", f"empty init + load: peak RSS / {name}", f"{rss_ratio:.2f}x")
-        )
-    mapped = d["time_ratio empty_init_mmap/accelerate"]
-    rows.append(
-        ("big-model load", "empty init + load(mmap=True): time / Accelerate's", f"{mapped:.2f}x")
-    )
-    figures = ", ".join(f"{growth[v]:.2f}x" for v in ("empty_init", "plain", "accelerate"))
-    rows.append(
-        ("big-model load", "peak RSS / one copy of weights (ours, plain, Accelerate)", figures)
-    )
-    return rows
-
-
-def _offload_rows(d: dict) -> list[Row]:
-    rows = [
-        (
-            "disk offload",
-            "RssAnon growth / (budget + largest block)",
-            f"{d['anon_growth ours / (budget + largest block)']:.2f}x",
-        )
-    ]
-    for figure in ("time_per_token", "peak_rss"):
-        rows.append(
-            (
-                "disk offload",
-                f"{figure} ours / Accelerate",
-                f"{d[f'{figure} ours/accelerate']:.2f}x",
-            )
-        )
-    rows.append(
-        (
-            "disk offload",
-            "cold load time hidden by prefetch",
-            f"{d['load time hidden by prefetch']:.0%}",
-        )
-    )
-    return rows
-
-
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -205,14 +159,14 @@ SUITES: dict[str, Suite] = {
             name="bigload",
             file="test_big_load.py",
             results="big_load.json",
-            rows=_big_load_rows,
+            rows=big_load_rows,
             quick_env={"RETARGET_BENCH_ROUNDS": "3"},
         ),
         Suite(
             name="offload",
             file="test_offload.py",
             results="offload.json",
-            rows=_offload_rows,
+            rows=offload_rows,
             quick_env={"RETARGET_BENCH_ROUNDS": "3"},
             needs=("accelerate",),
         ),

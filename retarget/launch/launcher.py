@@ -51,6 +51,9 @@ from retarget.launch.config import (
     read_launch_config,
     read_settings,
 )
+from retarget.launch.progress import progress_dir, stalled_lines
+from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
+from retarget.launch.slurm import slurm_settings
 from retarget.target.grammar import Target
 from retarget.target.precisions import MIXED_PRECISION, with_precision
 
@@ -93,6 +96,8 @@ class LaunchPlan:
     """Devices of this machine the script sees; None: all."""
     config_file: str | None = None
     """The config file read, if any."""
+    derived: str = ""
+    """What was derived from the environment (a SLURM allocation), for the launch line."""
 
     @property
     def nproc_per_node(self) -> int:
@@ -116,7 +121,9 @@ def resolve(
     Nothing is started; `run(plan)` starts it.
     """
     path = config_in_effect(config_file)
-    layers = [flags or LaunchConfig()] + ([read_launch_config(path)] if path else [])
+    slurm = slurm_settings(os.environ)
+    layers = [flags or LaunchConfig()] + ([slurm[0]] if slurm else [])
+    layers += [read_launch_config(path)] if path else []
     settings = merged(layers)
     processes, machines = settings.num_processes or 1, settings.num_machines or 1
     target, origin = _target_in_effect(settings, processes)
@@ -145,6 +152,7 @@ def resolve(
         use_cpu=bool(final.use_cpu),
         gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
         config_file=None if path is None else str(path),
+        derived=slurm[1] if slurm else "",
     )
 
 
@@ -206,15 +214,18 @@ def describe(plan: LaunchPlan) -> str:
         f"retarget launch: {plan.script} on {plan.num_processes} process"
         f"{'es' if plan.num_processes > 1 else ''} ({machines}, {how}), target {plan.target} "
         f"({plan.target_origin}), config {plan.config_file or 'none'}"
+        + (f"; {plan.derived}" if plan.derived else "")
     )
 
 
 def run(plan: LaunchPlan) -> int:
-    """Run the plan to the end; returns the exit code (non-zero when any rank failed)."""
-    with _environment(worker_env(plan)):
+    """Run the plan to the end; returns the exit code (non-zero when any rank failed, 0 when
+    every rank stopped cleanly after a preemption signal)."""
+    with _environment(worker_env(plan)), stopped_dir() as stopped, relay_usr1():
         if plan.direct:
             return _run_direct(plan)
-        return _run_torchrun(plan)
+        with progress_dir() as progress:
+            return _run_torchrun(plan, stopped, progress)
 
 
 @contextlib.contextmanager
@@ -245,7 +256,7 @@ def _run_direct(plan: LaunchPlan) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_torchrun(plan: LaunchPlan) -> int:
+def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
     # torchrun in this process (as Accelerate runs it): its ChildFailedError says which rank
     # failed and how, which `python -m torch.distributed.run` would only print.
     from torch.distributed import run as torchrun
@@ -255,12 +266,23 @@ def _run_torchrun(plan: LaunchPlan) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(plan)))
     except ChildFailedError as failed:
-        for line in failure_summary(failed.failures):
+        lines = failure_summary(failed.failures)
+        causes = " ".join(_cause(f, limit=10**6) for f in failed.failures.values()).lower()
+        if "timed out" in causes or "timeout" in causes:  # a hang: say who stopped moving
+            lines += stalled_lines(progress)
+        for line in lines:
             print(f"retarget launch: {line}", file=sys.stderr)
         return 1
-    except SignalException as stopped:  # the launcher itself was interrupted or terminated
-        print(f"retarget launch: stopped by {stopped.sigval.name}", file=sys.stderr)
-        return 128 + int(stopped.sigval)
+    except SignalException as signalled:  # the launcher itself was interrupted or terminated
+        name = signalled.sigval.name
+        if stopped_ranks(stopped) == plan.nproc_per_node:
+            print(
+                f"retarget launch: preempted by {name}: every rank saved and stopped",
+                file=sys.stderr,
+            )
+            return 0
+        print(f"retarget launch: stopped by {name}", file=sys.stderr)
+        return 128 + int(signalled.sigval)
     return 0
 
 
@@ -323,7 +345,10 @@ _FLAG_HELP = {
     "mixed_precision": ("|".join(MIXED_PRECISION), "replaces the target's precision parts"),
     "use_cpu": (None, "hide accelerators from the script (CUDA_VISIBLE_DEVICES='')"),
     "gpu_ids": ("IDS", "devices of this machine to use, e.g. 0,1 (default all)"),
-    "rdzv_backend": ("|".join(RDZV_BACKENDS), "torchrun rendezvous (default static)"),
+    "rdzv_backend": (
+        "|".join(RDZV_BACKENDS),
+        "torchrun rendezvous (default static)",
+    ),
     "max_restarts": (
         "N",
         "restart every rank up to N times after one fails (default 0); the script resumes "

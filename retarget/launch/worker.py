@@ -19,12 +19,46 @@ import json
 import os
 import runpy
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
 
 #: extraInfo key of the error file holding time.time_ns() at the failure.
 TIME_NS_KEY = "retarget_time_ns"
+#: Where `retarget launch` asks each rank to report where its main thread is (launch/progress.py).
+PROGRESS_DIR_ENV = "RETARGET_PROGRESS_DIR"
+#: Seconds between two reports.
+PROGRESS_EVERY_S = 0.5
+#: Frames from these parts of torch mean "inside torch": computing or waiting in a collective.
+_TORCH_PARTS = (os.sep + "torch" + os.sep,)
+
+
+def report_progress(folder: str, rank: str, main_thread: int) -> None:
+    """Forever (a daemon thread): write where the main thread is to `folder/rank_<rank>.json`.
+
+    The innermost Python frame tells a rank waiting inside torch (a collective, a backward)
+    from one stuck in its own code (a sleep, an endless loop, a lock): when a collective times
+    out, the launcher names the ranks that were not in it.
+    """
+    path = os.path.join(folder, f"rank_{rank}.json")
+    while True:
+        frame = sys._current_frames().get(main_thread)
+        if frame is None:
+            return
+        inner = frame
+        in_torch = any(part in inner.f_code.co_filename for part in _TORCH_PARTS)
+        record = {
+            "rank": int(rank),
+            "time": time.time(),
+            "where": f"{inner.f_code.co_filename}:{inner.f_lineno} in {inner.f_code.co_name}",
+            "in_torch": in_torch,
+        }
+        del frame, inner
+        with open(path + ".tmp", "w", encoding="utf-8") as stream:
+            json.dump(record, stream)
+        os.replace(path + ".tmp", path)
+        time.sleep(PROGRESS_EVERY_S)
 
 
 def record_failure(error: BaseException, error_file: str | None) -> None:
@@ -61,6 +95,14 @@ def main(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(script)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    folder = os.environ.get(PROGRESS_DIR_ENV)
+    if folder:
+        reporter = threading.Thread(
+            target=report_progress,
+            args=(folder, os.environ.get("RANK", "0"), threading.main_thread().ident),
+            daemon=True,
+        )
+        reporter.start()
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:

@@ -30,6 +30,20 @@ CONFLICTS: dict[frozenset[str], str] = {
         "too large for one process, use 'fsdp'"
         for s in ("single", "ddp", "zero1")
     },
+    **{
+        frozenset(("stream", other)): f"'stream' and '{other}' do not combine: stream runs "
+        "inference in one process, bringing weights in block by block; "
+        f"'{other}' is for training" + (" on several processes" if other in STRATEGIES else "")
+        for other in (
+            *(s for s in STRATEGIES if s not in ("single", "tp", "xla")),  # tp, xla: no pass yet
+            "ac",
+            "fp8",
+            "offload",
+            "powersgd",
+            "fp16-comm",
+            "bf16-comm",
+        )
+    },
     frozenset(("bf16", "fp16")): "'bf16' and 'fp16' are both autocast dtypes; pick one "
     "(bf16 needs no loss scaling)",
     frozenset(("fp16", "fp8")): "'fp16' and 'fp8' do not combine: fp8 runs the other ops in "
@@ -43,11 +57,6 @@ CONFLICTS: dict[frozenset[str], str] = {
 }
 #: Parts that combine only with the listed ones.
 ONLY_WITH = {
-    "stream": (
-        ("single", "bf16", "fp16"),
-        "it runs inference in one process, bringing weights in block by block; training and "
-        "distribution strategies keep every weight they update",
-    ),
     "xla": (
         ("bf16",),
         "XLA compiles and distributes the whole program, and no pass implements 'xla' yet; "

@@ -5,12 +5,16 @@ steps, resume from the newest intact checkpoint after a restart.
 
 With KILL_AT >= 0, rank 1 SIGKILLs itself right after step KILL_AT on the first attempt
 (TORCHELASTIC_RESTART_COUNT=0): the launcher's elastic agent restarts every rank, which resume
-and finish. Rank 0 writes OUT/final.safetensors (full weights) and OUT/attempts.txt.
+and finish. With PREEMPTIBLE=1 it watches for SIGTERM/SIGUSR1, prints `STEP n` after each step
+(slowed to 0.1 s) and, when asked, saves and exits 0. With HANG_AT=n rank 1 sleeps forever at
+step n. Rank 0 writes OUT/final.safetensors
+(full weights) and OUT/attempts.txt.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
 project = ProjectConfig(project_dir=out, total_limit=2)
 point = resume_from_latest(project, model=compiled, optimizers=[optimizer])
 start = point.step if point is not None else 0
+preemption = retarget.watch_preemption() if os.environ.get("PREEMPTIBLE") == "1" else None
 for step in range(start, steps):
     data = torch.Generator().manual_seed(1000 * step + state.rank)  # a batch per step and rank
     x, y = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
@@ -42,9 +47,21 @@ for step in range(start, steps):
     optimizer.zero_grad()
     if (step + 1) % every == 0:
         save_state(model=compiled, optimizers=[optimizer], step=step + 1, project=project)
+    if step == int(os.environ.get("HANG_AT", "-1")) and state.rank == 1:
+        time.sleep(10**6)  # stuck outside any collective: the others time out waiting
     if step == kill_at and state.rank == 1 and attempt == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    if preemption is not None:
+        print(f"STEP {step + 1}", flush=True)
+        time.sleep(0.1)
+        if preemption.should_stop():
+            preemption.exit_after(
+                lambda step=step: save_state(
+                    model=compiled, optimizers=[optimizer], step=step + 1, project=project
+                )
+            )
 weights = get_state_dict(compiled)
 if state.rank == 0:
+    out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, out / "final.safetensors")
     (out / "attempts.txt").write_text(f"{attempt}\n{start}\n")
