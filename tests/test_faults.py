@@ -41,12 +41,10 @@ def test_a_killed_rank_restarts_resumes_and_ends_bitwise_equal(target, tmp_path)
     kill_at = random.Random(target).randrange(EVERY, STEPS - 1)  # between two checkpoints
     if (kill_at + 1) % EVERY == 0:
         kill_at -= 1
-    # Restarts 3: on a loaded machine a restarted group's gloo init can be refused once (a peer
-    # not listening yet); the next restart gets past it and resumes from the same checkpoint.
-    killed = launch(tmp_path / "killed", target, kill_at=kill_at, restarts=3, home=tmp_path)
+    killed = launch(tmp_path / "killed", target, kill_at=kill_at, restarts=1, home=tmp_path)
     assert killed.returncode == 0, killed.stderr[-3000:]
     attempt, start = (tmp_path / "killed" / "attempts.txt").read_text().split()
-    assert int(attempt) >= 1  # the run that finished is a restarted one
+    assert attempt == "1"  # the first restart finished the run
     assert int(start) == (kill_at + 1) // EVERY * EVERY  # it resumed from the newest checkpoint
     expected = load_file(tmp_path / "straight" / "final.safetensors")
     got = load_file(tmp_path / "killed" / "final.safetensors")

@@ -40,6 +40,28 @@ _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """After an elastic restart, the rendezvous store keyed by attempt; None before any restart.
+
+    torchrun's agent keeps one store across restarts (static rendezvous), so the keys the group
+    of attempt 0 wrote (gloo's peer addresses) are still there: without a prefix per attempt a
+    restarted rank can read a dead peer's address and fail with "connection refused".
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_store and os.environ["RANK"] == "0",
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"retarget/attempt_{attempt}/", store)
+
+
 @dataclass(frozen=True)
 class ProcessState:
     """This process's place in the run. Build it with `ProcessState.current()`."""
@@ -91,7 +113,14 @@ class ProcessState:
             timeout = float(os.environ.get("RETARGET_TIMEOUT_S", DEFAULT_TIMEOUT_S))
             if use_cuda:
                 torch.cuda.set_device(env.local_rank or 0)
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+            pg_timeout = datetime.timedelta(seconds=timeout)
+            store = _attempt_store(pg_timeout)
+            extra = (
+                {}
+                if store is None
+                else {"store": store, "rank": env.rank, "world_size": env.world_size}
+            )
+            dist.init_process_group(backend, timeout=pg_timeout, **extra)
             end_process_group_at_exit()
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = rank if env.local_rank is None else env.local_rank
