@@ -151,7 +151,7 @@ def _load_dirs(input_dir: str | Path | None, project: ProjectConfig | None) -> l
     return existing[::-1]
 
 
-def _verified(folders: list[Path], world_size: int) -> tuple[Path, Manifest]:
+def _verified(folders: list[Path], world_size: int | None) -> tuple[Path, Manifest]:
     """The first folder that verifies; a damaged one is skipped with a warning when an older
     one remains (every rank reads the same files, so every rank skips the same ones)."""
     for index, folder in enumerate(folders):
@@ -246,6 +246,7 @@ def load_state(
     dataloaders: Any = (),
     custom_objects: Iterable[Any] = (),
     project: ProjectConfig | None = None,
+    reshard: bool = False,
 ) -> ResumePoint:
     """Restore what save_state saved into the same kinds of objects, in the same order.
 
@@ -254,16 +255,30 @@ def load_state(
     The folder is checked first (complete, intact, written by retarget, by as many processes
     as this run has); every generator's state is restored last, so the next random draw is the
     one the saved run made next.
+
+    `reshard=True` loads a checkpoint of another number of processes: DCP reshards the model
+    and optimizer state onto this run's (FSDP shards or full tensors alike), schedulers, scaler
+    and registered objects come from rank 0, and the RNG states and data loader positions,
+    which belonged to the saved run's ranks, start afresh (warned).
     """
     state = ProcessState.current()
     objects = CheckpointObjects.build(
         model, optimizers, schedulers, scaler, dataloaders, custom_objects
     )
-    folder, manifest = _verified(_load_dirs(input_dir, project), state.world_size)
+    world_size = None if reshard else state.world_size
+    folder, manifest = _verified(_load_dirs(input_dir, project), world_size)
     _check_contents(folder, manifest.contents, objects.contents())
+    per_rank = manifest.world_size == state.world_size
+    if not per_rank:
+        warnings.warn(
+            f"{folder} was saved by {manifest.world_size} processes and this run has "
+            f"{state.world_size}: the model and optimizer are resharded, RNG states and data "
+            "loader positions start afresh",
+            stacklevel=2,
+        )
 
     load_model_state(folder, objects, state)
-    saved = load_rank_state(folder, objects, rank=state.rank)
+    saved = load_rank_state(folder, objects, rank=state.rank, per_rank=per_rank)
     return ResumePoint(
         path=folder, step=saved["step"], accumulation_step=saved["accumulation_step"]
     )

@@ -50,6 +50,7 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
     fresh = saved["fresh_optimizers"]
     _, tensors = encode({"models": _model_trees(objects, fresh)}, where="model/optimizer state")
     _check_tensor_names(folder, tensor_names(saved["skeleton"]), set(tensors))
+    _check_tensor_shapes(folder, tensors)
     with _dcp_context(state):
         dcp.load(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
     trees = decode(saved["skeleton"], tensors)["models"]
@@ -111,3 +112,20 @@ def _check_tensor_names(folder: Path, saved: set[str], expected: set[str]) -> No
         f"{folder}: the model/optimizer state does not match ({'; '.join(lines)}): build the "
         "same model and optimizers as the saved run"
     )
+
+
+def _check_tensor_shapes(folder: Path, tensors: dict[str, Any]) -> None:
+    """Refuse, naming the tensors, a checkpoint whose tensors have other (global) shapes than
+    this model's: DCP would stop deep inside its load planner on the first one."""
+    stored = dcp.FileSystemReader(folder / "model").read_metadata().state_dict_metadata
+    differ = [
+        f"{name} saved {list(stored[name].size)}, here {list(tensor.shape)}"
+        for name, tensor in sorted(tensors.items())
+        if hasattr(stored.get(name), "size") and tuple(stored[name].size) != tuple(tensor.shape)
+    ]
+    if differ:
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise CheckpointError(
+            f"{folder}: the model/optimizer state has other shapes ({'; '.join(differ[:5])}"
+            f"{more}): build the same model, with the same config, as the saved run"
+        )

@@ -162,8 +162,9 @@ def is_complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
-def verify_folder(folder: Path, *, world_size: int) -> Manifest:
-    """The manifest of a complete checkpoint written by `world_size` processes, or a clear error."""
+def verify_folder(folder: Path, *, world_size: int | None) -> Manifest:
+    """The manifest of a complete checkpoint written by `world_size` processes (any number with
+    None), or a clear error."""
     folder = Path(folder)
     if not folder.exists():
         hint = ""
@@ -235,13 +236,14 @@ def verify_folder(folder: Path, *, world_size: int) -> Manifest:
             f"{folder} is damaged: the content of {', '.join(altered)} differs from what was "
             "saved (SHA-256 in the manifest). Load another checkpoint"
         )
-    if manifest.world_size != world_size:
+    if world_size is not None and manifest.world_size != world_size:
         kind = "sharded (FSDP) " if manifest.sharded else ""
         raise CheckpointError(
             f"{folder} is a {kind}checkpoint of {manifest.world_size} processes, and this run "
             f"has {world_size}: its per-rank state (RNG, data position"
             f"{', parameter shards' if manifest.sharded else ''}) needs the same number. Resume "
-            f"with {manifest.world_size} processes, or start a new run from weights saved with "
-            "save_model"
+            f"with {manifest.world_size} processes, or pass reshard=True to load_state: DCP "
+            "reshards the model and optimizer onto this run, which starts its RNG and data "
+            "positions afresh"
         )
     return manifest

@@ -36,9 +36,24 @@ def save_rank_state(
     write_tree(folder / f"rank_{rank}", tree, where=f"rank {rank} state")
 
 
-def load_rank_state(folder: Path, objects: CheckpointObjects, *, rank: int) -> dict[str, Any]:
-    """Rank `rank`'s schedulers, scaler, loaders, registered objects and, last, RNG states."""
-    saved = read_tree(folder / f"rank_{rank}")
+def load_rank_state(
+    folder: Path, objects: CheckpointObjects, *, rank: int, per_rank: bool = True
+) -> dict[str, Any]:
+    """Rank `rank`'s schedulers, scaler, loaders, registered objects and, last, RNG states.
+
+    With `per_rank=False` (a checkpoint of another world size) what every rank holds alike
+    (schedulers, scaler, registered objects, step) comes from rank 0's file, and the loaders'
+    positions and the RNG states, which belong to the saved run's ranks, are left as they are.
+    """
+    saved = read_tree(folder / f"rank_{rank if per_rank else 0}")
+    if not per_rank:
+        for obj, obj_state in zip(objects.schedulers, saved["schedulers"], strict=True):
+            obj.load_state_dict(obj_state)
+        if objects.scaler is not None:
+            objects.scaler.load_state_dict(saved["scaler"])
+        for obj, obj_state in zip(objects.custom, saved["custom_objects"], strict=True):
+            obj.load_state_dict(obj_state)
+        return saved
     for obj, obj_state in zip(objects.schedulers, saved["schedulers"], strict=True):
         obj.load_state_dict(obj_state)
     if objects.scaler is not None:
