@@ -15,6 +15,7 @@ from retarget.core.world import launched_target
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.passes.base import Pass, PassResult
+from retarget.target.errors import ConfigError
 from retarget.target.grammar import Target, TargetError, parse_target
 
 #: Names imported on first use: the Accelerate-compatible front door pulls in the whole runtime,
@@ -66,6 +67,7 @@ def __getattr__(name: str):
 __all__ = [
     *_LAZY_NAMES,
     "CompiledModule",
+    "ConfigError",
     "Pass",
     "PassError",
     "PassOrderError",

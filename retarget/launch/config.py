@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from retarget.target.accelerate_yaml import read_accelerate_config
+from retarget.target.errors import ConfigError
 from retarget.target.grammar import Target, TargetError, parse_target
 from retarget.target.precisions import MIXED_PRECISION, precision_of, with_precision
 
@@ -62,7 +63,7 @@ RDZV_BACKENDS = ("static", "c10d")
 _ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 
 
-class LaunchError(ValueError):
+class LaunchError(ConfigError):
     """A launch setting or request that cannot be used: names the flag, key or path, and the fix.
 
     Raised before anything is started; `retarget launch` prints it as one line and exits 2.

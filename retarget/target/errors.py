@@ -1,5 +1,5 @@
-"""The error of the target language (raised by the grammar, its rules and the config readers)
-and how its messages name the offending word."""
+"""The errors of user configuration (ConfigError) and of the target language (raised by the
+grammar, its rules and the config readers), and how their messages name the offending word."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import difflib
 from collections.abc import Iterable, Mapping
 
 
-class TargetError(ValueError):
+class ConfigError(ValueError):
+    """Something the user wrote (a target spec, a config file, a launch flag) cannot be used:
+    the message names the file, key or word and the fix. Every reader of user configuration
+    raises a subclass of it, never a traceback from deep inside."""
+
+
+class TargetError(ConfigError):
     """A target spec or config the user wrote is invalid; ``part`` names the offending part."""
 
     def __init__(self, message: str, part: str | None = None) -> None:
