@@ -150,9 +150,16 @@ def test_torchrun_arguments_for_several_machines(script):
         *("--nproc_per_node", "4", "--nnodes", "2", "--node_rank", "1"),
         *("--master_addr", "10.0.0.1", "--master_port", "29500"),
     ]
-    c10d = flags(num_processes="2", num_machines="2", main_process_ip="h", rdzv_backend="c10d")
+    assert args[10:12] == ["--rdzv_conf", "timeout=600,join_timeout=600"]
+    c10d = flags(
+        num_processes="2", num_machines="2", main_process_ip="h", rdzv_backend="c10d",
+        join_timeout="30",
+    )  # fmt: skip
     args = torchrun_args(resolve(str(script), flags=c10d))
-    assert args[6:10] == ["--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29500"]
+    assert args[6:12] == [
+        *("--rdzv_backend", "c10d", "--rdzv_endpoint", "h:29500"),
+        *("--rdzv_conf", "timeout=30,join_timeout=30"),
+    ]
 
 
 def test_worker_env_carries_the_target_and_device_choice(script):

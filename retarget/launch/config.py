@@ -96,6 +96,8 @@ class LaunchConfig:
     """torchrun rendezvous backend: static (master address and port) or c10d."""
     max_restarts: int | None = None
     """Times torchrun's elastic agent restarts every rank after one fails (default 0)."""
+    join_timeout: int | None = None
+    """Seconds a machine waits to reach the main machine's rendezvous (default 600)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each set field was read, e.g. {"target": "--target"}: errors name it."""
 
@@ -180,6 +182,7 @@ SETTINGS: dict[str, Callable[[str, Any], Any]] = {
     "gpu_ids": _gpu_ids,
     "rdzv_backend": _choice(RDZV_BACKENDS),
     "max_restarts": _integer(0),
+    "join_timeout": _integer(1),
 }
 assert set(SETTINGS) == {f.name for f in fields(LaunchConfig)} - {"origins"}
 

@@ -52,6 +52,7 @@ from retarget.launch.config import (
     read_settings,
 )
 from retarget.launch.progress import progress_dir, stalled_lines
+from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.launch.slurm import slurm_settings
 from retarget.target.grammar import Target
@@ -89,6 +90,7 @@ class LaunchPlan:
     rdzv_backend: str = "static"
     """torchrun rendezvous backend."""
     max_restarts: int = 0
+    join_timeout: int = DEFAULT_JOIN_TIMEOUT_S
     """Restarts of the whole worker group after a rank fails (torchrun's elastic agent)."""
     use_cpu: bool = False
     """Hide accelerators from the script."""
@@ -137,6 +139,11 @@ def resolve(
     if not Path(script).is_file():
         raise LaunchError(f"script {script!r} does not exist (or is not a file)")
     port = final.main_process_port or (_free_port() if machines == 1 else MULTI_MACHINE_PORT)
+    hosts_store = (final.machine_rank or 0) == 0 and (final.rdzv_backend or "static") == "static"
+    if hosts_store and (processes > 1 or final.max_restarts) and final.main_process_port:
+        check_port_free(port, final.origin("main_process_port"))
+    elif hosts_store and machines > 1:
+        check_port_free(port, "main_process_port (default)")
     return LaunchPlan(
         script=script,
         script_args=tuple(script_args),
@@ -149,6 +156,7 @@ def resolve(
         main_process_port=port,
         rdzv_backend=final.rdzv_backend or "static",
         max_restarts=final.max_restarts or 0,
+        join_timeout=final.join_timeout or DEFAULT_JOIN_TIMEOUT_S,
         use_cpu=bool(final.use_cpu),
         gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
         config_file=None if path is None else str(path),
@@ -190,6 +198,8 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
         args += ["--rdzv_backend", plan.rdzv_backend, "--rdzv_endpoint", endpoint]
     if plan.max_restarts:
         args += ["--max_restarts", str(plan.max_restarts)]
+    if plan.num_machines > 1:  # static reads `timeout`, c10d `join_timeout`
+        args += ["--rdzv_conf", f"timeout={plan.join_timeout},join_timeout={plan.join_timeout}"]
     # --no_python: torchrun runs `python -u worker.py script args` as each rank's command.
     args += ["--no_python", sys.executable, "-u", str(WORKER), plan.script, *plan.script_args]
     return args
@@ -224,6 +234,15 @@ def run(plan: LaunchPlan) -> int:
     with _environment(worker_env(plan)), stopped_dir() as stopped, relay_usr1():
         if plan.direct:
             return _run_direct(plan)
+        if plan.machine_rank > 0:
+            try:
+                origin = "main_process_ip/main_process_port"
+                wait_for_main(
+                    plan.main_process_ip, plan.main_process_port, plan.join_timeout, origin
+                )
+            except LaunchError as error:
+                print(f"retarget launch: {error}", file=sys.stderr)
+                return 1
         with progress_dir() as progress:
             return _run_torchrun(plan, stopped, progress)
 
@@ -259,9 +278,11 @@ def _run_direct(plan: LaunchPlan) -> int:
 def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
     # torchrun in this process (as Accelerate runs it): its ChildFailedError says which rank
     # failed and how, which `python -m torch.distributed.run` would only print.
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(plan)))
@@ -272,6 +293,15 @@ def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
             lines += stalled_lines(progress)
         for line in lines:
             print(f"retarget launch: {line}", file=sys.stderr)
+        return 1
+    except (DistError, RendezvousError) as error:  # the rendezvous itself failed
+        where = f"{plan.main_process_ip}:{plan.main_process_port}"
+        first = " ".join(str(error).split())[:300]
+        print(
+            f"retarget launch: the rendezvous at {where} ({plan.rdzv_backend}) failed: "
+            f"{type(error).__name__}: {first}",
+            file=sys.stderr,
+        )
         return 1
     except SignalException as signalled:  # the launcher itself was interrupted or terminated
         name = signalled.sigval.name
@@ -353,6 +383,11 @@ _FLAG_HELP = {
         "N",
         "restart every rank up to N times after one fails (default 0); the script resumes "
         "with resume_from_latest / load_state",
+    ),
+    "join_timeout": (
+        "SECONDS",
+        f"how long a machine waits for the main machine to answer (default "
+        f"{DEFAULT_JOIN_TIMEOUT_S})",
     ),
 }
 
