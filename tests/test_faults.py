@@ -6,6 +6,7 @@ resumes bitwise."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from retarget.launch.signals import children
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "elastic_train.py"
@@ -60,9 +63,12 @@ def test_without_restarts_a_killed_rank_fails_the_job_naming_it(tmp_path):
     assert "rank 1" in done.stderr and "SIGKILL" in done.stderr
 
 
-def launch_until(folder: Path, target: str, signum: int, after_step: int, home: Path):
-    """Launch a preemptible run, send `signum` to the launcher once a rank printed STEP
-    `after_step`; returns (exit code, seconds from the signal to the exit, output)."""
+def launch_until(
+    folder: Path, target: str, signum: int, after_step: int, home: Path, to: str = "launcher"
+):
+    """Launch a preemptible run, send `signum` to the launcher (or to the rank-1 process, with
+    to="rank") once a rank printed STEP `after_step`; returns (exit code, seconds from the
+    signal to the exit, output)."""
     env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PREEMPTIBLE": "1"}
     command = [
         sys.executable, "-m", "retarget", "launch", "--num_processes", "2", "--target", target,
@@ -78,16 +84,22 @@ def launch_until(folder: Path, target: str, signum: int, after_step: int, home: 
         if any(int(n) >= after_step for n in re.findall(r"STEP (\d+)", line)):
             break
     signalled = time.monotonic()
-    process.send_signal(signum)
+    if to == "launcher":
+        process.send_signal(signum)
+    else:  # one of the ranks: the launcher's children
+        os.kill(sorted(children(process.pid))[-1], signum)
     lines += process.stdout.readlines()
     code = process.wait(timeout=120)
     return code, time.monotonic() - signalled, "".join(lines)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, tmp_path):
+@pytest.mark.parametrize(
+    ("signum", "to"),
+    [(signal.SIGTERM, "launcher"), (signal.SIGUSR1, "launcher"), (signal.SIGTERM, "rank")],
+)
+def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, to, tmp_path):
     folder = tmp_path / "run"
-    code, seconds, output = launch_until(folder, "ddp", signum, after_step=3, home=tmp_path)
+    code, seconds, output = launch_until(folder, "ddp", signum, 3, home=tmp_path, to=to)
     assert code == 0, output[-3000:]
     assert seconds < 35, f"took {seconds:.1f} s to stop"  # torchrun's grace is 30 s
     assert (folder / "checkpoints").is_dir(), output[-3000:]
