@@ -207,7 +207,7 @@ def test_dynamo_inductor(tmp_path):
         """,
     )
     assert str(target_from_yaml(path)) == (
-        "ddp+bf16+compile[dynamic=false,fullgraph=true,mode=max-autotune,regional=true]"
+        "ddp+bf16+compile[dynamic=false,fullgraph=true,mode=max-autotune]"
     )
 
 
