@@ -16,8 +16,8 @@ the graphs the backend was handed (`stats.unique_graphs`) and graph breaks (`gra
 that made dynamo compile adds its wall time (trace, backend, that call's run) to `seconds`;
 `recompiles` counts compiling calls after the region's first (a new signature or a guard miss).
 
-A compiled call that raises while dynamo compiles (its frame counter moved) is run again
-uncompiled: if that succeeds the compile failed, and
+A compiled call that raises while dynamo compiles (its frame counter moved, or a dynamo error)
+is run again uncompiled: if that succeeds the compile failed, and
 the region runs uncompiled from then on (one `UncompiledRegionWarning`, the reason in the report),
 or with `fullgraph=true` a `RegionCompileError` naming the region is raised. If the uncompiled
 run fails too, the error is the model's and is raised as eager would raise it.
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import TorchDynamoException as DynamoError
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import _StopRecomputationError
 
@@ -168,7 +169,8 @@ class RegionCompiler:
         except _StopRecomputationError:  # checkpoint's early stop of a recompute: not ours
             raise
         except Exception as exc:
-            if counters["frames"]["total"] == frames:  # nothing was compiled: the model's error
+            compiling = counters["frames"]["total"] != frames or isinstance(exc, DynamoError)
+            if not compiling:  # a cached compiled graph raised: the model's error
                 raise
             return self._fall_back(exc, plain_call)
         new_graphs = counters["stats"]["unique_graphs"] - graphs
@@ -186,13 +188,13 @@ class RegionCompiler:
         return out
 
     def _fall_back(self, exc: Exception, plain_call: Callable[[], Any]) -> Any:
-        reason = one_line(exc)
+        out = plain_call()  # raises as eager would when the model itself is at fault
+        reason = _reason(exc)
         if self.settings.fullgraph:
             raise RegionCompileError(
                 f"compile[fullgraph=true]: region {self.region_name} did not compile "
                 f"({self.stats.form}, backend {self.settings.backend}): {reason}"
             ) from exc
-        out = plain_call()  # raises as eager would when the model itself is at fault
         self.stats.fallback = reason
         warnings.warn(
             f"retarget: region {self.region_name} could not be compiled with backend "
@@ -201,6 +203,12 @@ class RegionCompiler:
             stacklevel=6,
         )
         return out
+
+
+def _reason(exc: Exception) -> str:
+    """One line; a backend's failure names what the backend raised."""
+    inner = getattr(exc, "inner_exception", None)
+    return one_line(exc) if inner is None else f"{one_line(exc)} {one_line(inner)}"
 
 
 def _call_eager(eager: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
