@@ -211,6 +211,16 @@ def test_dynamo_inductor(tmp_path):
     )
 
 
+def test_regional_compilation_false_compiles_the_whole_model(tmp_path):
+    text = "distributed_type: NO\ndynamo_config:\n  dynamo_backend: AOT_EAGER\n"
+    absent = write(tmp_path, text)
+    assert str(target_from_yaml(absent)) == "single+compile[backend=aot_eager,dynamic=false]"
+    whole = write(tmp_path, text + "  dynamo_use_regional_compilation: false\n")
+    assert str(target_from_yaml(whole)) == (
+        "single+compile[backend=aot_eager,dynamic=false,scope=whole]"
+    )
+
+
 def test_old_format_keys(tmp_path):
     path = write(tmp_path, "distributed_type: NO\nfp16: true\ndynamo_backend: EAGER\n")
     assert str(target_from_yaml(path)) == "single+fp16+compile[backend=eager,dynamic=false]"

@@ -22,6 +22,7 @@ from retarget.core.errors import (
     RegionCompileError,
     UncompiledRegionWarning,
 )
+from retarget.passes.compile import compile_regions
 from retarget.passes.pipeline import build_pipeline
 from retarget.target.grammar import TargetError, parse_target
 from tests.conftest import step
@@ -310,3 +311,45 @@ def test_inspect_prints_the_compile_table(capsys, monkeypatch):
 
 def _llama() -> dict[str, torch.Tensor]:
     return ZOO["tiny_llama"].inputs(2)
+
+
+def test_report_dict_carries_each_region_compile_entry():
+    compiled = retarget.compile_for(stack(2), AOT, example_inputs=vector_inputs(2))
+    entry = compiled.report.to_dict()["regions"][0]["compile"]
+    assert entry["backend"] == "aot_eager" and entry["form"] == "graph"
+    assert entry["compiles"] == 1 and entry["compile_seconds"] > 0
+    record = next(r for r in compiled.history if r.name == "compile_regions")
+    assert record.stats["compiles"] == 1 and record.stats["uncompiled"] == 0
+
+
+def test_options_reach_torch_compile_as_its_own_arguments():
+    options = compile_regions.CompileRegions.stage(
+        parse_target("compile[dynamic=false,fullgraph=true,mode=max-autotune]"), None
+    )[0].options
+    assert options.torch_kwargs() == {
+        "backend": "inductor",
+        "dynamic": False,
+        "fullgraph": True,
+        "mode": "max-autotune",
+    }
+    relu = parse_target("compile[backend=relu_compile_error_testing_only]")
+    assert compile_regions.CompileRegions.stage(relu, None)[0].options.backend == (
+        "relu_compile_error_TESTING_ONLY"  # the registered spelling, whatever the case given
+    )
+
+
+def test_verify_checks_the_compiled_model_against_eager():
+    compiled = retarget.compile_for(stack(2), AOT, example_inputs=vector_inputs(2), verify=True)
+    assert compiled.history[-1].name == "compile_regions"
+
+
+def test_a_users_hook_inside_a_block_runs_that_call_uncompiled():
+    inputs = vector_inputs(2)
+    reference = retarget.compile_for(stack(2), "single", example_inputs=inputs)
+    compiled = retarget.compile_for(stack(2), AOT, example_inputs=inputs)
+    seen = []
+    compiled.blocks[0].fc1.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    with pytest.warns(EagerRegionWarning, match="runs its eager form while a forward hook"):
+        loss, _ = step(compiled, inputs)
+    assert len(seen) == 1 and torch.equal(loss, step(reference, inputs)[0])
+    assert summaries(compiled)["blocks.*"]["compiles"] == 1  # no compile of the hooked call
