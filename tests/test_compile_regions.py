@@ -353,3 +353,15 @@ def test_a_users_hook_inside_a_block_runs_that_call_uncompiled():
         loss, _ = step(compiled, inputs)
     assert len(seen) == 1 and torch.equal(loss, step(reference, inputs)[0])
     assert summaries(compiled)["blocks.*"]["compiles"] == 1  # no compile of the hooked call
+
+
+def test_generate_gives_the_eager_tokens():
+    entry, inputs = ZOO["tiny_llama"], _llama()
+    compiled = retarget.compile_for(entry.factory().eval(), AOT, example_inputs=inputs)
+    prompt = {"input_ids": inputs["input_ids"][:, :4], "attention_mask": torch.ones(2, 4).long()}
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    expected = entry.factory().eval().generate(**prompt, **kwargs)
+    assert torch.equal(compiled.generate(**prompt, **kwargs), expected)
+    summary = summaries(compiled)["model.layers.*"]
+    # The example's graph, the prompt's, and one for every decode step (symbolic cache length).
+    assert summary["compiled_callables"] == 3 and not summary["fallback"]
