@@ -274,6 +274,16 @@ def test_options_torch_cannot_honour_are_refused(target, message):
         build_pipeline(parse_target(target))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_run_on_cuda():
+    inputs = vector_inputs(4).cuda()
+    loss_err, grad_err, compiled = train_side_by_side(
+        lambda: stack(2).cuda(), inputs, "compile[mode=reduce-overhead]", steps=2
+    )
+    assert loss_err <= 1e-5 and grad_err <= 1e-4, (loss_err, grad_err)
+    assert summaries(compiled)["blocks.*"]["compiles"] >= 1
+
+
 def test_cuda_graphs_are_refused_off_cuda():
     with pytest.raises(PassError, match="mode=reduce-overhead runs CUDA graphs"):
         retarget.compile_for(stack(2), "compile[mode=reduce-overhead]")
