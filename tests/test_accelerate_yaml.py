@@ -207,7 +207,17 @@ def test_dynamo_inductor(tmp_path):
         """,
     )
     assert str(target_from_yaml(path)) == (
-        "ddp+bf16+compile[dynamic=false,fullgraph=true,mode=max-autotune,regional=true]"
+        "ddp+bf16+compile[dynamic=false,fullgraph=true,mode=max-autotune]"
+    )
+
+
+def test_regional_compilation_false_compiles_the_whole_model(tmp_path):
+    text = "distributed_type: NO\ndynamo_config:\n  dynamo_backend: AOT_EAGER\n"
+    absent = write(tmp_path, text)
+    assert str(target_from_yaml(absent)) == "single+compile[backend=aot_eager,dynamic=false]"
+    whole = write(tmp_path, text + "  dynamo_use_regional_compilation: false\n")
+    assert str(target_from_yaml(whole)) == (
+        "single+compile[backend=aot_eager,dynamic=false,scope=whole]"
     )
 
 

@@ -27,6 +27,14 @@ DOCUMENTED = {
         *ANALYSES,
         *("insert_autocast", "checkpoint_blocks", "shard_ddp", "comm_hook"),
     ],
+    "fsdp+bf16+fp8[min_size=16]+ac+compile[backend=eager]": [
+        *ANALYSES,
+        *("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions", "shard_fsdp"),
+    ],
+    "ddp+bf16+ac+compile[backend=eager]": [
+        *ANALYSES,
+        *("insert_autocast", "checkpoint_blocks", "compile_regions", "shard_ddp"),
+    ],
     "zero1+bf16+fp8+ac+bf16-comm": [
         *ANALYSES,
         *("swap_fp8", "insert_autocast", "checkpoint_blocks", "shard_ddp"),
@@ -47,6 +55,11 @@ CONSTRAINTS = [
     ("swap_fp8", "shard_ddp"),
     ("insert_autocast", "shard_ddp"),
     ("checkpoint_blocks", "shard_ddp"),
+    ("swap_fp8", "compile_regions"),
+    ("insert_autocast", "compile_regions"),
+    ("checkpoint_blocks", "compile_regions"),
+    ("compile_regions", "shard_ddp"),
+    ("compile_regions", "shard_fsdp"),
     ("shard_ddp", "shard_optimizer_state"),
     ("shard_ddp", "comm_hook"),
 ]

@@ -64,7 +64,11 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "process, use target='fsdp'",
     ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
-    "dynamo_plugin": (lambda v: v is None, "no pass implements torch.compile ('compile') yet"),
+    "dynamo_plugin": (
+        lambda v: v is None,
+        "a TorchDynamoPlugin is not read; write the compile part of the target, "
+        "e.g. target='compile[mode=max-autotune]'",
+    ),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),
     "parallelism_config": (lambda v: v is None, "write the target, e.g. target='hsdp'"),
     "gradient_accumulation_plugin": (

@@ -33,3 +33,11 @@ class EagerRegionWarning(UserWarning):
 
 class TargetNotSupportedError(NotImplementedError):
     """A valid target part has no pass implementing it (yet): refused, never silently dropped."""
+
+
+class UncompiledRegionWarning(UserWarning):
+    """A region asked to be compiled (the `compile` part) runs uncompiled: its compile failed."""
+
+
+class RegionCompileError(RuntimeError):
+    """compile[fullgraph=true]: a region did not compile as one graph. Names the region."""

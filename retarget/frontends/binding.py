@@ -9,6 +9,7 @@ specs, lifted constants, export's guard function) are answered from the graph mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,25 +61,44 @@ class CapturedGraph:
     checkpointed: bool = False
     """The block checkpoints part of itself (torch.utils.checkpoint), which tracing inlines."""
 
-    def run(self, live: nn.Module, args: tuple, kwargs: dict[str, Any], private: dict) -> Any:
+    def run(
+        self,
+        live: nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        private: dict,
+        call_forward: CallForward | None = None,
+    ) -> Any:
+        """Run the graph for `live`. `call_forward` replaces `call_graph_forward`, the call of the
+        graph's own code, as a compiled version of it does (passes/compile); the KV-cache
+        bookkeeping and argument binding around it stay outside."""
         if self.checkpointed and torch.is_grad_enabled() and not capturing():
             # Keep the user's memory saving: recompute the whole block in backward.
             return checkpointed_call(
-                lambda *a, **k: self.run_graph(live, a, k, private), args, kwargs
+                lambda *a, **k: self.run_graph(live, a, k, private, call_forward), args, kwargs
             )
-        return self.run_graph(live, args, kwargs, private)
+        return self.run_graph(live, args, kwargs, private, call_forward)
 
-    def run_graph(self, live: nn.Module, args: tuple, kwargs: dict[str, Any], private: dict) -> Any:
+    def run_graph(
+        self,
+        live: nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        private: dict,
+        call_forward: CallForward | None = None,
+    ) -> Any:
+        call = call_graph_forward if call_forward is None else call_forward
         forward = type(self.gm).forward
-        me = _LiveSelf(live, private)
         if self.state is not None:
             index = layer_index(live)
-            return self.state.run(lambda *a, **k: forward(me, *a, **k), args, kwargs, index)
+            return self.state.run(
+                lambda *a, **k: call(forward, live, private, a, k), args, kwargs, index
+            )
         if self.positional is None:
-            return forward(me, *args, **kwargs)
+            return call(forward, live, private, args, kwargs)
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return forward(me, *(bound.arguments[name] for name in self.positional))
+        return call(forward, live, private, tuple(bound.arguments[n] for n in self.positional), {})
 
     def private_attributes(self, live: nn.Module) -> dict[str, Any]:
         """The graph module's own attributes that the live module does not have."""
@@ -87,6 +107,17 @@ class CapturedGraph:
         names |= set(gm._modules) | set(gm._parameters) | set(gm._buffers)
         names.discard("forward")
         return {n: getattr(gm, n) for n in names if not _owns(live, n)}
+
+
+def call_graph_forward(
+    forward: Callable[..., Any], live: nn.Module, private: dict, args: tuple, kwargs: dict
+) -> Any:
+    """Call a graph module's generated `forward` with `self` answering from `live`."""
+    return forward(_LiveSelf(live, private), *args, **kwargs)
+
+
+#: `call_graph_forward`'s signature: what a compiled replacement of it takes.
+CallForward = Callable[[Callable[..., Any], nn.Module, dict, tuple, dict], Any]
 
 
 def _owns(module: nn.Module, name: str) -> bool:

@@ -14,7 +14,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
@@ -34,6 +34,21 @@ PENDING = "pending"
 GraphTransform = Callable[[fx.GraphModule], None]
 #: Wraps a module's eager forward: the module-level form of a rewrite, for calls without a graph.
 EagerForm = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class CallRunner(Protocol):
+    """Runs a region's calls in place of `CapturedGraph.run` and the eager form (compile_regions'
+    compiled callables); a call forced eager by a user's hook never goes through it."""
+
+    def graph_call(
+        self, module: nn.Module, graph: CapturedGraph, args: tuple, kwargs: dict, private: dict
+    ) -> Any: ...
+
+    def eager_call(self, module: nn.Module, eager: Callable, args: tuple, kwargs: dict) -> Any: ...
+
+    def summary(self) -> dict[str, Any]:
+        """What the runner did, for the report."""
+        ...
 
 
 @dataclass
@@ -64,6 +79,8 @@ class Region:
     eager_signatures: list[str] = field(default_factory=list)
     """Why each signature that failed to capture after the first one did (it runs eagerly)."""
     warned: set = field(default_factory=set, repr=False)
+    runner: CallRunner | None = field(default=None, repr=False)
+    """Runs the calls in place of the plain graph or eager form (compile_regions installs it)."""
 
     @property
     def repeats(self) -> int:
@@ -209,12 +226,16 @@ class Region:
         if graph is None:
             for _, wrap in self.eager_forms:
                 eager = wrap(eager)
+            if self.runner is not None and hooked is None:
+                return self.runner.eager_call(module, eager, args, kwargs)
             return eager(*args, **kwargs)
         bindings = BINDINGS.setdefault(module, {})
         cached = bindings.get(id(graph))
         if cached is None or cached[0] != self.version:
             cached = (self.version, graph.private_attributes(module))
             bindings[id(graph)] = cached
+        if self.runner is not None:
+            return self.runner.graph_call(module, graph, args, kwargs, cached[1])
         return graph.run(module, args, kwargs, cached[1])
 
 

@@ -82,12 +82,20 @@ def comm_hook_planned(p: Program) -> bool:
     return p.plan.comm_hook is not None
 
 
-#: provides token -> the predicate that must hold once a pass providing it has run.
+def regions_compiled(p: Program) -> bool:
+    """every region the compile scope covers runs through its compiled runner"""
+    part = p.target.get("compile")
+    whole = part is not None and part.get("scope") == "whole"
+    covered = [r for r in p.regions if not whole or r.paths == [""]]
+    return bool(covered) and all(r.runner is not None for r in covered)
+
+
 def stream_planned(p: Program) -> bool:
     """plan.stream holds what the driver offloads after the plan is applied"""
     return p.plan.stream is not None
 
 
+#: provides token -> the predicate that must hold once a pass providing it has run.
 FACTS: dict[str, Fact] = {
     "tree": module_tree_built,
     "blocks": blocks_in_tree,
@@ -100,5 +108,6 @@ FACTS: dict[str, Fact] = {
     "zero1": zero1_planned,
     "fsdp": fsdp_planned,
     "comm_hook": comm_hook_planned,
+    "compiled": regions_compiled,
     "stream": stream_planned,
 }

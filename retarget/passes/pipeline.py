@@ -15,6 +15,7 @@ from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Pass
 from retarget.passes.capture.capture_regions import CaptureOptions, CaptureRegions
 from retarget.passes.comm.install_comm_hook import InstallCommHook
+from retarget.passes.compile.compile_regions import CompileRegions
 from retarget.passes.memory.checkpoint_blocks import CheckpointBlocks
 from retarget.passes.place.plan_stream import PlanStream
 from retarget.passes.precision.insert_autocast import InsertAutocast
@@ -44,6 +45,11 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # ac: recompute repeated blocks in backward, running them as the precision stages left
     # them; before sharding, so each FSDP unit recomputes inside its own all-gather.
     (frozenset({"ac"}), CheckpointBlocks),
+    # compile: torch.compile each region's final graph, once per block type. After every
+    # rewrite of the blocks' computation (precision casts, checkpoint wrappers; declared after
+    # them), before sharding: torchtitan's order, compile each block then shard it (shard_*
+    # are declared after compile_regions).
+    (frozenset({"compile"}), CompileRegions),
     # ddp/zero1: replicate, all-reduce gradients in buckets. After every pass that changes
     # modules or parameters: DDP registers the final ones.
     (frozenset(DDP_STRATEGIES), ShardDdp),
@@ -75,5 +81,8 @@ def build_pipeline(
             f"target '{target}': no pass implements {missing} yet; refusing rather than "
             f"silently ignoring it (the parts a pass implements: {', '.join(sorted(handled))})"
         )
+    part = target.get("compile")
+    if part is not None and part.get("scope") == "whole" and capture == "regions":
+        capture = "whole"  # compile[scope=whole] compiles the model as one captured graph
     options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
     return [p for _, pass_class in STAGES for p in pass_class.stage(target, options)]

@@ -44,6 +44,7 @@ class Report:
                     "eager_signatures": list(r.eager_signatures),
                     "eager_while_hooked": dict(r.hooked),
                     "capture_seconds": round(r.capture_seconds, 4),
+                    "compile": r.runner.summary() if r.runner is not None else None,
                 }
                 for r in p.regions
             ],
@@ -72,6 +73,7 @@ class Report:
             rows.append((r["name"], r["block_type"], str(r["repeats"]), r["frontend"], r["reason"]))
         lines += _table(rows)
         lines += _region_events(d["regions"])
+        lines += compile_lines(d["regions"])
         lines += ["", "passes"]
         rows = [("pass", "changed", "seconds", "stats / notes")]
         for record in d["passes"]:
@@ -137,6 +139,38 @@ def _region_events(regions: list[dict[str, Any]]) -> list[str]:
                 f"  {r['name']}: {r['graphs']} graph(s) serve {r['signatures']} signatures "
                 f"({r['dynamic_reuses']} reused with symbolic sizes)"
             )
+    return lines
+
+
+def compile_lines(regions: list[dict[str, Any]]) -> list[str]:
+    """The compile table (the `compile` part): per region how it was compiled and what it cost."""
+    compiled = [r for r in regions if r["compile"] is not None]
+    if not compiled:
+        return []
+    header = ("region", "backend", "mode", "form", "compiles", "recompiles", "breaks", "seconds")
+    rows = [(*header, "status")]
+    for r in compiled:
+        c = r["compile"]
+        status = f"uncompiled: {c['fallback']}" if c["fallback"] else "compiled"
+        if not c["compiles"] and not c["fallback"]:
+            status = "pending: compiled at its first call"
+        rows.append(
+            (
+                r["name"],
+                c["backend"],
+                c["mode"],
+                c["form"],
+                str(c["compiles"]),
+                str(c["recompiles"]),
+                str(c["graph_breaks"]),
+                f"{c['compile_seconds']:.2f}",
+                status,
+            )
+        )
+    lines = ["", "compile (torch.compile; glue outside regions runs eagerly)", *_table(rows)]
+    for r in compiled:
+        for reason in r["compile"]["break_reasons"]:
+            lines.append(f"  {r['name']}: graph break: {reason}")
     return lines
 
 

@@ -20,7 +20,9 @@
                       override_linear_precision, use_autocast_during_eval, opt_level
     dynamo_config     dynamo_backend NO -> nothing, else compile[backend=<lowercase>];
                       dynamo_mode, dynamo_use_fullgraph, dynamo_use_dynamic,
-                      dynamo_use_regional_compilation
+                      dynamo_use_regional_compilation true -> scope=regions, false ->
+                      scope=whole; absent -> scope=regions (Accelerate would compile the whole
+                      model: the same numbers, and compile time independent of depth)
 
 We always make each repeated block its own FSDP unit (found structurally, so
 fsdp_transformer_layer_cls_to_wrap is not needed) and always run FSDP2, which keeps the original
@@ -258,12 +260,17 @@ def read_precision(file: AccelerateFile, parts: Parts) -> None:
         parts["bf16"]["downcast"] = True
 
 
+def _as_scope(file: AccelerateFile, key: str, value: Any) -> str:
+    """dynamo_use_regional_compilation: true -> scope=regions, false -> scope=whole."""
+    return "regions" if as_bool(file, key, value) else "whole"
+
+
 _DYNAMO_KEYS: dict[str, Handler] = {
     "dynamo_backend": read_elsewhere,
     "dynamo_mode": sets_option("mode", lambda file, key, value: value),
     "dynamo_use_fullgraph": sets_option("fullgraph", as_bool),
     "dynamo_use_dynamic": sets_option("dynamic", as_bool),
-    "dynamo_use_regional_compilation": sets_option("regional", as_bool),
+    "dynamo_use_regional_compilation": sets_option("scope", _as_scope),
 }
 
 

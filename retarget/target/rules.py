@@ -81,6 +81,17 @@ OPTION_NEEDS_PART = (
         "it is XLA's XLA_DOWNCAST_BF16, and no pass implements 'xla' yet; drop downcast",
     ),
 )
+#: (part, option, values that trigger the rule, parts it does not combine with, why)
+OPTION_CONFLICTS_PART = (
+    (
+        "compile",
+        "scope",
+        ("whole",),
+        ("ac",),
+        "the whole model is then one graph, whose blocks cannot be checkpointed one by one; "
+        "use compile[scope=regions] (the default), which compiles each checkpointed block",
+    ),
+)
 #: (part, option, trigger values or None for "set", needed option, allowed values or None for
 #: "set", why): rules between the options of one part.
 OPTION_RULES: tuple[tuple[str, str, Any, str, Any, str], ...] = (
@@ -161,7 +172,7 @@ def _one_of(names: tuple[str, ...]) -> str:
 
 def check_conflicts(parts: Sequence[NamedPart]) -> None:
     """Raise TargetError when parts conflict or miss a part they need (CONFLICTS, ONLY_WITH,
-    NEEDS_ONE_OF, OPTION_NEEDS_PART)."""
+    NEEDS_ONE_OF, OPTION_NEEDS_PART, OPTION_CONFLICTS_PART)."""
     names = [part.name for part in parts]
     for a, b in combinations(names, 2):
         if frozenset((a, b)) in CONFLICTS:
@@ -179,3 +190,8 @@ def check_conflicts(parts: Sequence[NamedPart]) -> None:
             if part.name == name and part.get(key) in values and not set(needs) & set(names):
                 shown = f"{name}[{key}={format_value(part.get(key))}]"
                 raise TargetError(f"{shown} needs {_one_of(needs)}: {why}", part=name)
+        for name, key, values, others, why in OPTION_CONFLICTS_PART:
+            clash = [n for n in others if n in names]
+            if part.name == name and part.get(key) in values and clash:
+                shown = f"{name}[{key}={format_value(part.get(key))}]"
+                raise TargetError(f"{shown} and '{clash[0]}' do not combine: {why}", part=name)

@@ -175,8 +175,11 @@ PARTS: dict[str, PartSchema] = {
             "dynamic": enum_option(
                 "auto", "auto|true|false", "dynamic shapes: auto, always or never"
             ),
-            "regional": bool_option(
-                False, "compile one repeated block and reuse it (regional compile)"
+            "scope": enum_option(
+                "regions",
+                "regions|whole",
+                "regions: compile each block type's graph once, reuse it for its repeats; "
+                "whole: the whole model's forward",
             ),
         },
     ),

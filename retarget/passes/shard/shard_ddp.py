@@ -1,7 +1,8 @@
 """shard_ddp (`ddp`, `zero1`): replicate the model, all-reduce gradients in buckets (DDP).
 
-Contract: requires regions | provides ddp | after swap_fp8, insert_autocast, checkpoint_blocks
-    | numerics exact | options DdpOptions
+Contract: requires regions | provides ddp
+    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
+    | options DdpOptions
 
 The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
@@ -77,7 +78,7 @@ class ShardDdp(Pass):
     requires = ("regions",)
     provides = ("ddp",)
     # DDP registers the modules and parameters as every rewriting pass left them.
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
     Options = DdpOptions
 
     @classmethod

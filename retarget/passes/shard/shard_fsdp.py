@@ -1,7 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
-Contract: requires regions | provides fsdp | after swap_fp8, insert_autocast, checkpoint_blocks
-    | numerics exact | options FsdpOptions
+Contract: requires regions | provides fsdp
+    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
+    | options FsdpOptions
 
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
 BasicBlock of a ResNet stage) is one `fully_shard` unit, and the root is the last unit, holding
@@ -166,7 +167,7 @@ class ShardFsdp(Pass):
     provides = ("fsdp",)
     # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
     # (autocast) inside its own all-gather.
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
     Options = FsdpOptions
 
     @classmethod
