@@ -363,8 +363,7 @@ YAML_ERRORS = [
     ),
     (
         "distributed_type: MULTI_GPU\nmixed_precision: bf16\ndowncast_bf16: 'yes'\n",
-        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16, and no pass implements "
-        "'xla' yet; drop downcast",
+        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16",
     ),
     (
         "distributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 2\n",

@@ -10,6 +10,7 @@ import torch
 
 import retarget
 from retarget.core.errors import PassOrderError, TargetNotSupportedError
+from retarget.kernels import xla
 from retarget.models.tiny_llama import synthetic_batch, tiny_lm
 from retarget.passes.manager import PassManager, check_order
 from retarget.passes.pipeline import STAGES, build_pipeline
@@ -106,6 +107,10 @@ def test_zero1_is_composed_in_the_pipeline_not_imported_by_shard_ddp():
 def test_every_stage_is_built_by_its_pass_class_and_parts_it_names():
     for parts, pass_class in STAGES:
         for part in parts:
+            if part == "xla" and not xla.available():
+                with pytest.raises(TargetNotSupportedError, match="constraints-xla.txt"):
+                    pass_class.stage(parse_target(part), None)
+                continue
             built = pass_class.stage(parse_target(_alone(part)), None)
             assert built and all(isinstance(p, pass_class) for p in built), part
         if parts:

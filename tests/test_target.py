@@ -48,6 +48,7 @@ NON_DEFAULT = [
     "state_dict=full,sync_module_states=false]",
     "fsdp+tp[sequence_parallel=true,size=4]",
     "xla[spmd=false]+bf16[autocast_eval=false,downcast=true,keep_fp32=cumsum|exp]",
+    "xla[sharding=replicate]",
     "fp16[autocast_eval=false,backoff_factor=0.25,growth_factor=4.0,growth_interval=100,"
     "init_scale=1024.0,keep_fp32=none]",
     "fp8[amax_algo=max,amax_history=1024,autocast_eval=true,backend=te,exclude=lm_head,"
@@ -485,14 +486,14 @@ ERRORS = [
     (
         "xla+bf16+compile",
         "compile",
-        "'xla' does not combine with 'compile': XLA compiles and distributes the whole program, "
-        "and no pass implements 'xla' yet; drop 'xla' to run on this process's device",
+        "'xla' does not combine with 'compile': XLA compiles and distributes the whole step "
+        "itself (xla[sharding=fsdp] shards the blocks over its devices); of the other parts only "
+        "bf16 (autocast on XLA) is implemented there",
     ),
     (
         "bf16[downcast=true]",
         "bf16",
-        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16, and no pass implements "
-        "'xla' yet; drop downcast",
+        "bf16[downcast=true] needs 'xla': it is XLA's XLA_DOWNCAST_BF16",
     ),
 ]
 

@@ -195,6 +195,39 @@ class StreamPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class XlaPlan:
+    """The model on an XLA device (`xla[...]`), and under SPMD how each parameter is laid out.
+
+    `shards` maps each parameter sharded over the mesh to its spec (dim 0 on the "fsdp" axis);
+    every other parameter is replicated. `devices` is the mesh size (1 without SPMD).
+    """
+
+    spmd: bool
+    sharding: str
+    """"fsdp" (dim 0 of the repeated blocks' parameters over the mesh) or "replicate"."""
+    devices: int
+    platform: str
+    shards: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
+    sharded_numel: int = 0
+    total_numel: int = 0
+
+    def per_device_numel(self) -> int:
+        """Parameter elements one device holds."""
+        return self.total_numel - self.sharded_numel + self.sharded_numel // max(1, self.devices)
+
+    def describe(self) -> str:
+        how = (
+            f"SPMD over {self.devices} {self.platform} devices, {len(self.shards)} parameters "
+            f"sharded on dim 0, {len(self.replicated)} replicated; "
+            f"{self.per_device_numel():,} of {self.total_numel:,} elements per device"
+            if self.spmd
+            else f"one {self.platform} device"
+        )
+        return f"xla: {how}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class AppliedPlan:
     """What apply_plan did in this process."""
 
@@ -219,6 +252,7 @@ class Plan:
     loss_scaler: LossScalerPlan | None = None
     fp8: Fp8Plan | None = None
     stream: StreamPlan | None = None
+    xla: XlaPlan | None = None
     applied: AppliedPlan | None = None
 
     @property

@@ -19,6 +19,7 @@ from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.manager import PassManager
 from retarget.passes.pipeline import build_pipeline
 from retarget.runtime.apply_plan import apply_plan
+from retarget.runtime.xla_placement import apply_xla
 from retarget.target.grammar import Target, TargetError, parse_target
 from retarget.target.strategies import STRATEGIES
 
@@ -88,6 +89,8 @@ def compile_for(
     warn_eager_regions(program)
     # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
     apply_plan(program)
+    # xla: the model on the XLA device(s), laid out as planned, a step boundary per call.
+    apply_xla(program)
     # stream: the blocks that do not fit leave both models after every other decision.
     stream_weights(program)
     return root

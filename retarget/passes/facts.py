@@ -95,6 +95,13 @@ def stream_planned(p: Program) -> bool:
     return p.plan.stream is not None
 
 
+def xla_planned(p: Program) -> bool:
+    """plan.xla says where every parameter goes (sharded or replicated) on the XLA devices"""
+    plan = p.plan.xla
+    names = {n for n, _ in p.module.named_parameters()}
+    return plan is not None and set(plan.shards) | set(plan.replicated) == names
+
+
 #: provides token -> the predicate that must hold once a pass providing it has run.
 FACTS: dict[str, Fact] = {
     "tree": module_tree_built,
@@ -110,4 +117,5 @@ FACTS: dict[str, Fact] = {
     "comm_hook": comm_hook_planned,
     "compiled": regions_compiled,
     "stream": stream_planned,
+    "xla": xla_planned,
 }

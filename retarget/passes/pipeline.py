@@ -17,6 +17,7 @@ from retarget.passes.capture.capture_regions import CaptureOptions, CaptureRegio
 from retarget.passes.comm.install_comm_hook import InstallCommHook
 from retarget.passes.compile.compile_regions import CompileRegions
 from retarget.passes.memory.checkpoint_blocks import CheckpointBlocks
+from retarget.passes.place.place_xla import PlaceXla
 from retarget.passes.place.plan_stream import PlanStream
 from retarget.passes.precision.insert_autocast import InsertAutocast
 from retarget.passes.precision.swap_fp8 import SwapFp8
@@ -60,6 +61,10 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),
     # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
     (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
+    # xla: where each parameter lives on the XLA devices (SPMD shards or one device). After
+    # the rewrites, which it moves as they left the model; XLA compiles the whole step itself,
+    # so no graph rewrite follows (the target admits only bf16 beside it).
+    (frozenset({"xla"}), PlaceXla),
     # stream: inference with weights brought in per block. Last: the weights it moves are the
     # final ones every rewrite left (the target refuses it next to training strategies).
     (frozenset({"stream"}), PlanStream),

@@ -28,14 +28,14 @@ CONFLICTS: dict[frozenset[str], str] = {
         frozenset((s, "tp")): f"'{s}' and 'tp' do not combine: tensor parallelism composes "
         "with sharded data parallel only, and no pass implements 'tp' yet; to split a model "
         "too large for one process, use 'fsdp'"
-        for s in ("single", "ddp", "zero1")
+        for s in ("single", "ddp", "zero1", "xla")
     },
     **{
         frozenset(("stream", other)): f"'stream' and '{other}' do not combine: stream runs "
         "inference in one process, bringing weights in block by block; "
         f"'{other}' is for training" + (" on several processes" if other in STRATEGIES else "")
         for other in (
-            *(s for s in STRATEGIES if s not in ("single", "tp", "xla")),  # tp, xla: no pass yet
+            *(s for s in STRATEGIES if s not in ("single", "tp", "xla")),  # tp: no pass yet
             "ac",
             "fp8",
             "offload",
@@ -59,8 +59,9 @@ CONFLICTS: dict[frozenset[str], str] = {
 ONLY_WITH = {
     "xla": (
         ("bf16",),
-        "XLA compiles and distributes the whole program, and no pass implements 'xla' yet; "
-        "drop 'xla' to run on this process's device",
+        "XLA compiles and distributes the whole step itself (xla[sharding=fsdp] shards the "
+        "blocks over its devices); of the other parts only bf16 (autocast on XLA) is "
+        "implemented there",
     ),
 }
 _HOOK_NEEDS = (DDP_STRATEGIES, "comm hooks change DDP's gradient all-reduce")
@@ -78,7 +79,7 @@ OPTION_NEEDS_PART = (
         "downcast",
         (True,),
         ("xla",),
-        "it is XLA's XLA_DOWNCAST_BF16, and no pass implements 'xla' yet; drop downcast",
+        "it is XLA's XLA_DOWNCAST_BF16",
     ),
 )
 #: (part, option, values that trigger the rule, parts it does not combine with, why)

@@ -93,7 +93,15 @@ PARTS: dict[str, PartSchema] = {
             ),
         },
     ),
-    "xla": PartSchema("XLA devices", {"spmd": bool_option(True, "shard with XLA SPMD")}),
+    "xla": PartSchema(
+        "XLA devices (torch-xla)",
+        {
+            "spmd": bool_option(True, "one SPMD program over every device (else one device)"),
+            "sharding": enum_option(
+                "fsdp", "fsdp|replicate", "SPMD: blocks' parameters sharded on dim 0, or none"
+            ),
+        },
+    ),
     "bf16": PartSchema(
         "bfloat16 autocast",
         {**_AUTOCAST, "downcast": bool_option(False, "XLA: store float32 as bf16 (downcast_bf16)")},

@@ -49,7 +49,7 @@ _TABLE = (
     ),
     Strategy(
         name="xla",
-        does="leaves distribution to XLA (no pass implements it yet)",
+        does="runs one SPMD program over the XLA devices",
         shards=(False, False, False),
         wrapper="xla",
     ),
