@@ -4,6 +4,7 @@ holding more than tensors and plain data are refused."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import shutil
@@ -111,3 +112,71 @@ def test_other_objects_than_saved_are_refused(safetensors_run):
     model, optimizer = accelerator.prepare(model, optimizer)  # no scheduler, no counter
     with pytest.raises(CheckpointError, match="schedulers: saved 1, given 0"):
         accelerator.load_state(folder)
+
+
+# ---------------------------------------------------------------- save_model's files
+
+
+def _big_in_the_middle() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(64, 64), torch.nn.Linear(8, 8)
+    )
+
+
+def _tied() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+    )
+    model[2].weight = model[0].weight
+    return model
+
+
+def _files(folder: Path) -> dict[str, object]:
+    """Every file of a save_model folder: its name and what it holds."""
+    from safetensors.torch import load_file
+
+    found: dict[str, object] = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".json":
+            found[path.name] = path.read_text()
+        elif path.suffix == ".safetensors":
+            found[path.name] = load_file(path)
+        else:
+            found[path.name] = torch.load(path, weights_only=True)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("make", "max_shard_size", "safe"),
+    [
+        (_big_in_the_middle, "10GB", True),  # one file: model.safetensors, no index
+        (_big_in_the_middle, "10GB", False),  # pytorch_model.bin
+        (_big_in_the_middle, 1000, True),  # the 16 KB weight alone, before the shard filling
+        (_big_in_the_middle, 1000, False),
+        (_big_in_the_middle, "20KB", True),
+        (_tied, "10GB", True),  # the tied copy dropped
+        (_tied, 600, True),
+    ],
+)
+def test_save_model_writes_the_files_accelerate_writes(tmp_path, make, max_shard_size, safe):
+    import accelerate
+
+    ours, theirs = tmp_path / "retarget", tmp_path / "accelerate"
+    Accelerator().save_model(make(), ours, max_shard_size=max_shard_size, safe_serialization=safe)
+    accelerate.Accelerator(cpu=True).save_model(
+        make(), theirs, max_shard_size=max_shard_size, safe_serialization=safe
+    )
+    expected = _files(theirs)
+    got = _files(ours)
+    if make is _tied and len(got) > 1:  # our index also records the tie, for load_model
+        index = json.loads(got.pop("model.safetensors.index.json"))
+        assert index["metadata"].pop("tied_weights") == {"2.weight": "0.weight"}
+        assert index == json.loads(expected.pop("model.safetensors.index.json"))
+    assert list(got) == list(expected)
+    for name, held in expected.items():
+        if isinstance(held, dict):
+            torch.testing.assert_close(got[name], held, rtol=0, atol=0)
+        else:
+            assert got[name] == held, name

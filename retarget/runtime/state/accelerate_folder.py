@@ -72,13 +72,12 @@ class AccelerateObjects:
 
 
 def is_accelerate_checkpoint(folder: str | Path) -> bool:
-    """Whether `folder` was written by Accelerate's save_state (not by retarget's)."""
+    """Whether `folder` was written by Accelerate's save_state (not by retarget's): it has
+    no manifest and the RNG file every process of an Accelerate run writes."""
     folder = Path(folder)
     if not folder.is_dir() or (folder / MANIFEST).exists():
         return False
-    return any(folder.glob("random_states_*.pkl")) or any(
-        (folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")
-    )
+    return any(folder.glob("random_states_*.pkl"))
 
 
 def read_pickle(path: Path, allowed: list[Any] = ()) -> Any:
