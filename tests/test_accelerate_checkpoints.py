@@ -180,3 +180,49 @@ def test_save_model_writes_the_files_accelerate_writes(tmp_path, make, max_shard
             torch.testing.assert_close(got[name], held, rtol=0, atol=0)
         else:
             assert got[name] == held, name
+
+
+# ---------------------------------------------------------------- the other files
+
+
+def test_loss_scaler_rng_file_and_samplers(tmp_path, safetensors_run):
+    """scaler.pt as accelerate's own save_accelerator_state writes it (Accelerate makes no
+    GradScaler on the CPU, so its Accelerator cannot be the writer here); sampler files are
+    skipped with a warning; this process's random_states file must be there."""
+    from accelerate import PartialState
+    from accelerate.checkpointing import save_accelerator_state
+
+    PartialState(cpu=True)  # accelerate's logging needs its state
+    folder = shutil.copytree(safetensors_run[0], tmp_path / "copy")
+    model, optimizer, scheduler = make_training()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler._growth_tracker.fill_(5)
+    save_accelerator_state(str(folder), [], [], [], [], 0, 0, scaler=scaler)
+    (folder / "random_states_0.pkl").write_bytes(
+        (safetensors_run[0] / "random_states_0.pkl").read_bytes()
+    )
+    (folder / "sampler.bin").write_bytes(b"never read")
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.prepare(model, optimizer, scheduler)
+    with pytest.warns(UserWarning, match=r"sampler\.bin not loaded"):
+        accelerator.load_state(folder)
+    loss_scaler = accelerator._runtimes()[0].scaler
+    assert loss_scaler.grad_scaler.state_dict() == scaler.state_dict()
+    assert counter.n == SAVE_AT
+
+    (folder / "random_states_0.pkl").rename(folder / "random_states_1.pkl")
+    with pytest.raises(CheckpointError, match="has no random_states_0.pkl"):
+        accelerator.load_state(folder)
+
+
+def test_fsdp_targets_are_refused(safetensors_run):
+    model, optimizer, scheduler = make_training()
+    accelerator = Accelerator(target="fsdp")
+    accelerator.register_for_checkpointing(Counter())
+    accelerator.prepare(model, optimizer, scheduler)
+    with pytest.raises(NotImplementedError, match="holds full parameters"):
+        accelerator.load_state(safetensors_run[0])

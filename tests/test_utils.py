@@ -211,3 +211,48 @@ def test_launcher_reports_a_failing_process(tmp_path):
         debug_launcher(_fails, args=(str(tmp_path),), num_processes=2)
     with pytest.raises(NotImplementedError, match="one machine only"):
         notebook_launcher(_fails, num_processes=2, num_nodes=2)
+
+
+def test_logger_level_and_warning_once(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_LOG_LEVEL", "warning")
+    logger = get_logger("retarget.test.once")
+    records = _Records()
+    logger.logger.addHandler(records)
+    logger.info("below the level")
+    logger.warning_once("said once")
+    logger.warning_once("said once")
+    assert records.messages == ["[RANK 0] said once"]
+    assert logging.getLogger("retarget.test.once").level == logging.WARNING
+
+
+def test_local_sgd_in_a_world_of_one_and_its_refusals():
+    from retarget import Accelerator
+
+    model = torch.nn.Linear(2, 1)
+    before = model.weight.detach().clone()
+    with LocalSGD(Accelerator(), model, local_sgd_steps=1) as local_sgd:
+        local_sgd.step()
+    assert not local_sgd.enabled and local_sgd.num_steps == 1
+    assert torch.equal(model.weight, before)
+    with pytest.raises(ValueError, match="local_sgd_steps=0"):
+        LocalSGD(Accelerator(), model, local_sgd_steps=0)
+    with pytest.raises(NotImplementedError, match="FSDP shards the parameters"):
+        LocalSGD(Accelerator(target="fsdp"), model, local_sgd_steps=2)
+
+
+def test_launchers_in_process_and_refusals(tmp_path):
+    ran = []
+    notebook_launcher(ran.append, ("here",))  # no num_processes: this process, as Accelerate
+    assert ran == ["here"]
+    with pytest.raises(NotImplementedError, match="Accelerator"):
+        notebook_launcher(ran.append, ("x",), num_processes=2, mixed_precision="fp16")
+    with pytest.raises(NotImplementedError, match="rdzv_backend"):
+        notebook_launcher(ran.append, ("x",), num_processes=2, rdzv_backend="c10d")
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="a process group already exists"):
+            debug_launcher(_launched, args=(str(tmp_path),))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert ran == ["here"]
