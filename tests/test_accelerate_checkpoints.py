@@ -19,6 +19,7 @@ import torch
 from retarget import Accelerator
 from retarget.runtime.state.accelerate_folder import UnsafeCheckpointFileError
 from retarget.runtime.state.folder import CheckpointError
+from tests.distributed import free_port, run_ranks
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -27,12 +28,21 @@ from accelerate_resume_run import Counter, batches, make_training, train  # noqa
 STEPS, SAVE_AT = 8, 3
 
 
-def _write(tmp_path: Path, safe: bool) -> tuple[Path, dict]:
-    """Run the Accelerate script in its own process: its checkpoint and its final state."""
-    folder, final = tmp_path / "checkpoint", tmp_path / "final.pt"
+def _write(tmp_path: Path, safe: bool, processes: int = 1) -> tuple[Path, dict]:
+    """Run the Accelerate script in its own process(es), under torchrun for several: its
+    checkpoint and its final state (rank 0's; all ranks' under "ranks")."""
+    folder, final = tmp_path / "checkpoint", tmp_path / "final_{rank}.pt"
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            f"--master_port={free_port()}",
+        ]
     subprocess.run(
         [
-            sys.executable,
+            *launcher,
             str(SCRIPTS / "accelerate_resume_writer.py"),
             f"--checkpoint={folder}",
             f"--final={final}",
@@ -43,7 +53,8 @@ def _write(tmp_path: Path, safe: bool) -> tuple[Path, dict]:
         check=True,
         timeout=300,
     )
-    return folder, torch.load(final, weights_only=True)
+    ranks = [torch.load(str(final).format(rank=r), weights_only=True) for r in range(processes)]
+    return folder, {**ranks[0], "ranks": ranks}
 
 
 def _resume(folder: Path):
@@ -76,6 +87,38 @@ def test_accelerate_checkpoint_continues_to_accelerate_final_weights(
     got = accelerator.unwrap_model(model).state_dict()
     torch.testing.assert_close(got, expected["weights"], rtol=0, atol=0)
     assert counter.n == expected["counter"] and accelerator.step == expected["step"]
+
+
+def _resume_ranks(rank: int, world: int, folder: str) -> dict:
+    accelerator, model, optimizer, scheduler, counter, resumed = _resume(Path(folder))
+    drawn = [random.random(), float(np.random.rand())]
+    data = batches(STEPS, rank)[SAVE_AT:]
+    train(accelerator, model, optimizer, scheduler, counter, data)
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    return {
+        "weights": weights,
+        "drawn": drawn,
+        "step": resumed.step,
+        "counter": counter.n,
+        "target": str(accelerator.target),
+    }
+
+
+def test_a_two_process_accelerate_checkpoint_continues_on_two_ranks(tmp_path):
+    """DDP over gloo under Accelerate (torchrun, cpu=True), continued under retarget's ddp:
+    each rank takes its own random_states file; the final weights are Accelerate's."""
+    folder, expected = _write(tmp_path, True, processes=2)
+    assert sorted(p.name for p in folder.glob("random_states_*")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+    results = run_ranks(_resume_ranks, 2, str(folder), timeout=240)
+    for rank, (got, theirs) in enumerate(zip(results, expected["ranks"], strict=True)):
+        assert got["drawn"] == theirs["drawn"], rank  # this rank's own RNG file
+        assert got["step"] == SAVE_AT and got["counter"] == theirs["counter"]
+        torch.testing.assert_close(got["weights"], theirs["weights"], rtol=0, atol=0)
+    assert results[0]["target"] == "ddp"
+    assert results[0]["drawn"] != results[1]["drawn"]  # seeded per process by the writer
 
 
 def test_resume_without_the_checkpoint_differs(safetensors_run):

@@ -29,8 +29,9 @@ def make_training():
     return model, optimizer, scheduler
 
 
-def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1234)  # the same data whatever the global RNG
+def batches(steps: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # The same data whatever the global RNG; each process its own.
+    generator = torch.Generator().manual_seed(1234 + rank)
     return [
         (torch.randn(8, 6, generator=generator), torch.randn(8, 1, generator=generator))
         for _ in range(steps)

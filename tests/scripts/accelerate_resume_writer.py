@@ -1,7 +1,8 @@
-"""Train a small model with the real accelerate.Accelerator (1 process, CPU, seed fixed):
-save_state after `--save-at` steps into `--checkpoint`, go on to `--steps`, and write the final
-weights to `--final`. tests/test_accelerate_checkpoints.py continues the checkpoint under
-retarget and compares with those final weights. The model, data and loop are in
+"""Train a small model with the real accelerate.Accelerator (CPU, seed fixed; 1 process, or N
+under torchrun: DDP over gloo): save_state after `--save-at` steps into `--checkpoint`, go on
+to `--steps`, and write each process's final state to `--final` (`{rank}` in it is replaced).
+tests/test_accelerate_checkpoints.py continues the checkpoint under retarget and compares with
+those final weights. The model, data and loop are in
 accelerate_resume_run.py, shared with the retarget side."""
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--safe", type=int, default=1)
     args = parser.parse_args()
-    set_seed(0)
-    model, optimizer, scheduler = make_training()
     accelerator = Accelerator(cpu=True)
+    set_seed(0, device_specific=True)  # each process its own dropout masks and RNG files
+    model, optimizer, scheduler = make_training()
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    data = batches(args.steps)
+    data = batches(args.steps, accelerator.process_index)
     train(accelerator, model, optimizer, scheduler, counter, data[: args.save_at])
     accelerator.save_state(args.checkpoint, safe_serialization=bool(args.safe))
     drawn = [random.random(), float(np.random.rand())]  # training draws only from torch's
@@ -42,7 +43,7 @@ def main() -> None:
     final = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     torch.save(
         {"weights": final, "counter": counter.n, "step": accelerator.step, "drawn": drawn},
-        args.final,
+        args.final.format(rank=accelerator.process_index),
     )
 
 
