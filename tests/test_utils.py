@@ -124,7 +124,9 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _helpers_ranks(rank: int, world: int) -> dict:
+def _helpers_ranks(rank: int, world: int, shared_log: str) -> dict:
+    import time
+
     from retarget import Accelerator
 
     out: dict = {}
@@ -143,7 +145,11 @@ def _helpers_ranks(rank: int, world: int) -> dict:
     logger.info("everyone", main_process_only=False)
     logger.debug("below the level", main_process_only=False)
     logger.info("in order", in_order=True)
-    out["logged"] = records.messages
+    out["logged"] = list(records.messages)
+    logger.logger.addHandler(logging.FileHandler(shared_log))  # both processes append
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 would write first, were it not made to wait
+    logger.info("rank first", in_order=True)
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)  # the same initial weights on both ranks
@@ -168,8 +174,10 @@ def _helpers_ranks(rank: int, world: int) -> dict:
     return out
 
 
-def test_helpers_on_two_ranks():
-    zero, one = run_ranks(_helpers_ranks, 2)
+def test_helpers_on_two_ranks(tmp_path):
+    shared_log = tmp_path / "shared.log"
+    zero, one = run_ranks(_helpers_ranks, 2, str(shared_log))
+    assert shared_log.read_text().splitlines() == ["[RANK 0] rank first", "[RANK 1] rank first"]
     assert zero["device_specific"] and one["device_specific"]
     assert zero["gather"] == one["gather"] == ["r0", 0, "r1", 1]
     assert zero["broadcast"] == one["broadcast"] == [1, {"from": 1}]
