@@ -143,8 +143,8 @@ def load_accelerate_state(folder: str | Path, objects: AccelerateObjects, *, ran
     skipped = sorted(p.name for p in folder.iterdir() if _SAMPLER_FILES.fullmatch(p.name))
     if skipped:
         warnings.warn(
-            f"{folder}: {', '.join(skipped)} not loaded (pickled Accelerate samplers); the data "
-            "loaders keep their own order: skip the batches already seen with "
+            f"{folder}: {', '.join(skipped)} not loaded (Accelerate's sampler and data loader "
+            "states); retarget's loaders keep their own order: skip the batches already seen with "
             "skip_first_batches",
             stacklevel=3,
         )
