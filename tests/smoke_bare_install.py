@@ -67,6 +67,23 @@ def check_accelerator_state(folder: Path) -> None:
         assert torch.equal(p, saved[name]), f"load_state did not restore {name}"
 
 
+def check_utils(folder: Path) -> None:
+    """retarget.utils imports with no extras; save_model writes Accelerate's single file."""
+    from retarget.utils import find_executable_batch_size, set_seed
+
+    set_seed(0)
+
+    @find_executable_batch_size(starting_batch_size=4)
+    def fits(batch_size: int) -> int:
+        if batch_size > 2:
+            torch.empty(2**46, dtype=torch.uint8)  # the CPU allocator's out-of-memory error
+        return batch_size
+
+    assert fits() == 2, "find_executable_batch_size did not shrink the batch"
+    retarget.Accelerator().save_model(tiny_lm(), folder)
+    assert (folder / "model.safetensors").is_file(), sorted(p.name for p in folder.iterdir())
+
+
 def check_inspect_text() -> None:
     """`retarget inspect` (the venv's console script) prints the pipeline's passes."""
     command = Path(sys.executable).parent / "retarget"
@@ -88,6 +105,7 @@ def main() -> None:
     check_compile_and_train()
     with tempfile.TemporaryDirectory() as folder:
         check_accelerator_state(Path(folder) / "state")
+        check_utils(Path(folder) / "weights")
     check_inspect_text()
     print(f"bare install smoke: ok (retarget {retarget.__version__}, torch {torch.__version__})")
 

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.accelerate.accelerate_checkpoint import load_accelerate_checkpoint
 from retarget.runtime.state import checkpoint
 from retarget.runtime.state import save_model as model_files
+from retarget.runtime.state.accelerate_folder import is_accelerate_checkpoint
 
 
 class StateMethods:
@@ -55,9 +57,17 @@ class StateMethods:
         )
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any):
-        """Restore what save_state saved, into the objects prepared (same ones, same order)."""
+        """Restore what save_state saved, into the objects prepared (same ones, same order).
+
+        A folder written by Hugging Face Accelerate's save_state is read too
+        (accelerate_checkpoint.py): the run continues from Accelerate's step.
+        """
         if kwargs:
             raise TypeError(f"load_state takes no {', '.join(sorted(kwargs))} here")
+        if input_dir is not None and is_accelerate_checkpoint(input_dir):
+            if not self._models:
+                raise RuntimeError("load_state: prepare the model first")
+            return load_accelerate_checkpoint(self, input_dir)
         project = self.project_configuration.checkpoints()
         resumed = checkpoint.load_state(input_dir, **self._state_objects(), project=project)
         self.step = resumed.step

@@ -2,17 +2,22 @@
 
 A checkpoint (save_state) is for resuming this run; `save_model` is for using the weights
 elsewhere: one set of full tensors with the model's own state_dict keys, whatever target it was
-trained under (DDP's `module.` prefix and FSDP's shards are gone), in Hugging Face's layout:
+trained under (DDP's `module.` prefix and FSDP's shards are gone), in Hugging Face's layout
+with Accelerate's file names:
 
+    model.safetensors                   all tensors, when they fit in max_shard_size bytes
+or
     model-00001-of-00002.safetensors    shards of at most max_shard_size bytes of tensors
     model-00002-of-00002.safetensors
     model.safetensors.index.json        {"metadata": {"total_size": n}, "weight_map": {key: shard}}
+and
     config.json                         when the model has a Hugging Face config
 
 so `AutoModel.from_pretrained(dir)` loads it, and so does `load_model(plain_model, dir)`.
 Tied weights (GPT-2's `lm_head.weight` is `transformer.wte.weight`) are saved once, under the
-first key in state_dict order, as Hugging Face does; the index's `metadata.tied_weights` maps
-each dropped key to the one kept, and `load_model` fills it back in.
+first key in state_dict order, as Hugging Face does; a sharded index's `metadata.tied_weights`
+maps each dropped key to the one kept, and `load_model` fills it back in (from the model's
+own ties when there is no index).
 
     >>> save_model(model, "out/llama", max_shard_size="500MB")    # every rank calls it
     >>> load_model(LlamaForCausalLM(config), "out/llama")
@@ -122,17 +127,35 @@ def tied_weights(model: nn.Module) -> dict[str, str]:
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
-    """Keys grouped in order into shards of at most `limit` bytes (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
+    """Keys grouped into shards of at most `limit` bytes, as Hugging Face Hub's
+    `split_torch_state_dict_into_shards` groups them (so Accelerate names the same files): in
+    order, a shard closed when the next tensor would overflow it, a tensor bigger than the
+    limit in a shard of its own, placed before the shard being filled."""
+    shards: list[list[str]] = []
+    current: list[str] = []
     size = 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
+        if nbytes > limit:
+            shards.append([key])
+            continue
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
         size += nbytes
+    if current or not shards:
+        shards.append(current)
     return shards
+
+
+def shard_names(count: int, safe: bool = True) -> list[str]:
+    """Accelerate's file names: one shard is `model.safetensors` (`pytorch_model.bin`),
+    several are `model-0000k-of-0000n.safetensors`."""
+    prefix, ext, _ = _LAYOUT[safe]
+    if count == 1:
+        return [f"{prefix}.{ext}"]
+    return [f"{prefix}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
 
 
 def save_model(
@@ -142,11 +165,12 @@ def save_model(
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
 ) -> Path:
-    """Write the full weights as shards plus an index (and config.json for HF models).
+    """Write the full weights as one file or shards plus an index (and config.json for HF
+    models), named as Accelerate's save_model names them.
 
     Call it on every rank (FSDP gathers); rank 0 writes. Shards left in the folder by an
     earlier save_model with another shard count are removed. `safe_serialization=False`
-    writes `pytorch_model-*.bin` (torch.save) instead of safetensors.
+    writes `pytorch_model.bin` / `pytorch_model-*.bin` (torch.save) instead of safetensors.
     """
     limit = parse_size(max_shard_size)
     directory = Path(save_directory)
@@ -175,9 +199,10 @@ def _write_shards(
 ) -> None:
     prefix, ext, index_name = _LAYOUT[safe]
     plan = _plan_shards(tensors, limit)
-    names = [f"{prefix}-{i + 1:05d}-of-{len(plan):05d}.{ext}" for i in range(len(plan))]
-    for stale in directory.glob(f"{prefix}*.{ext}"):
-        if stale.name not in names:
+    names = shard_names(len(plan), safe)
+    # Files of an earlier save with another shard count would be read with the new ones.
+    for stale in [*directory.glob(f"{prefix}*.{ext}"), directory / index_name]:
+        if stale.name not in names and stale.is_file():
             stale.unlink()
     weight_map: dict[str, str] = {}
     for name, keys in zip(names, plan, strict=True):
@@ -191,24 +216,33 @@ def _write_shards(
             torch.save(shard, path)
         fsync_file(path)
         weight_map |= dict.fromkeys(keys, name)
+    if len(plan) == 1:  # no index for one file, as Accelerate and Hugging Face write it
+        return
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total, "tied_weights": tied}, "weight_map": weight_map}
-    (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+    metadata: dict[str, Any] = {"total_size": total}
+    if tied:
+        metadata["tied_weights"] = tied
+    index = {"metadata": metadata, "weight_map": weight_map}
+    (directory / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def read_model_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The full state dict save_model wrote, tied keys filled in (no pickle is loaded)."""
+    """The state dict save_model wrote (one file, or shards and their index), with the tied
+    keys the index records filled in; no pickle is loaded (torch.load(weights_only=True))."""
     directory = Path(directory)
     for safe in (True, False):
-        index_path = directory / _LAYOUT[safe][2]
-        if index_path.is_file():
+        prefix, ext, index_name = _LAYOUT[safe]
+        single = directory / f"{prefix}.{ext}"
+        if (directory / index_name).is_file() or single.is_file():
             break
     else:
         raise FileNotFoundError(
-            f"{directory} has no {_LAYOUT[True][2]} or {_LAYOUT[False][2]}: not a folder "
-            "written by save_model"
+            f"{directory} has no model.safetensors, pytorch_model.bin or an index "
+            f"({_LAYOUT[True][2]}, {_LAYOUT[False][2]}): not a folder written by save_model"
         )
-    index: dict[str, Any] = json.loads(index_path.read_text())
+    index: dict[str, Any] = {"weight_map": {"*": single.name}}
+    if (directory / index_name).is_file():
+        index = json.loads((directory / index_name).read_text())
     state: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(index["weight_map"].values()):
         path = directory / name
@@ -219,6 +253,11 @@ def read_model_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: nn.Module, directory: str | Path, *, strict: bool = True) -> nn.Module:
-    """Load weights written by save_model into an unsharded `model`; returns it."""
-    model.load_state_dict(read_model_weights(directory), strict=strict)
+    """Load weights written by save_model into an unsharded `model`; returns it. Keys tied in
+    `model` (saved once) are filled from the key kept."""
+    state = read_model_weights(directory)
+    for alias, kept in tied_weights(model).items():
+        if alias not in state and kept in state:
+            state[alias] = state[kept]
+    model.load_state_dict(state, strict=strict)
     return model
