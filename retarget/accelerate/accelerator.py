@@ -211,7 +211,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
         return compiled
 
     def _prepare_dataloader(self, loader: DataLoader) -> Any:
-        sharded = data.shard_dataloader(loader, self.state, **self.shard_options)
+        sharded = data.shard_dataloader(
+            loader, self.state, **self.shard_options, order="accelerate"
+        )
         self._dataloaders.append(sharded)
         return sharded
 
