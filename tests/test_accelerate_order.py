@@ -113,3 +113,50 @@ def test_the_grid_includes_shuffled_padded_epochs_that_differ():
     assert lengths == [(2, 2), (2, 2)] and batches[:2] != batches[2:]
     assert batches == accelerate_rank(make, 2, 1)[0]
     assert retarget_rank(make, 2, 0)[0] != batches
+
+
+def _train(rank: int, world: int, front_door: str) -> tuple[list, list, float]:
+    """A tiny dropout model trained 2 epochs on a shuffled loader through `front_door`."""
+    from torch import nn
+    from torch.nn import functional
+    from torch.utils.data import TensorDataset
+
+    if front_door == "accelerate":
+        from accelerate import Accelerator
+    else:
+        from retarget import Accelerator
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    data = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(38, 6, generator=data), torch.randn(38, 1, generator=data)
+    loader = DataLoader(
+        TensorDataset(torch.arange(38), inputs, targets), batch_size=4, shuffle=True
+    )
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses, seen = [], []
+    for _ in range(2):
+        model.train()
+        for index, x, y in loader:
+            loss = functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            seen.append(index.tolist())
+    return losses, seen, torch.rand(()).item()
+
+
+def test_two_ranks_train_as_under_accelerate():
+    """2 gloo ranks, DDP in both (Accelerate's cpu=True): same batches, dropout and losses."""
+    from tests.distributed import run_ranks
+
+    theirs = run_ranks(_train, 2, "accelerate", timeout=180)
+    ours = run_ranks(_train, 2, "retarget", timeout=180)
+    for rank in range(2):
+        assert ours[rank][1] == theirs[rank][1], f"rank {rank}: batches"
+        assert len(ours[rank][1]) == 10 and ours[rank][1][:5] != ours[rank][1][5:]
+        assert ours[rank][0] == pytest.approx(theirs[rank][0], rel=1e-5, abs=1e-7)
+        assert ours[rank][2] == theirs[rank][2], f"rank {rank}: RNG consumed alike"
+    assert ours[0][1] != ours[1][1]
