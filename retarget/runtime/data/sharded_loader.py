@@ -60,6 +60,11 @@ def active_loader() -> ShardedDataLoader | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def active_loaders() -> list[ShardedDataLoader]:
+    """Every ShardedDataLoader being iterated, outermost first (nested loops)."""
+    return list(_ACTIVE)
+
+
 def shard_dataloader(
     loader: DataLoader,
     state: ProcessState | None = None,
