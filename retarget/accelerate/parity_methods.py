@@ -9,6 +9,7 @@ that cannot be honoured raises an error naming it.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -98,11 +99,11 @@ class ParityMethods:
 
     @property
     def _save_hooks(self) -> dict[int, Callable[..., None]]:
-        return self.__dict__.setdefault("_save_state_hooks", {})
+        return self.__dict__.setdefault("_save_state_hooks", OrderedDict())
 
     @property
     def _load_hooks(self) -> dict[int, Callable[..., None]]:
-        return self.__dict__.setdefault("_load_state_hooks", {})
+        return self.__dict__.setdefault("_load_state_hooks", OrderedDict())
 
     def _run_save_hooks(self, output_dir: str) -> None:
         models = list(self._models)

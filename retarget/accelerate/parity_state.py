@@ -104,8 +104,9 @@ class GradientStateView:
 
     initialized = True
     is_xla_gradients_synced = False
-    adjust_scheduler = True
-    """Prepared schedulers step once per process per optimizer step, as Accelerate's do."""
+    adjust_scheduler = False
+    """Prepared schedulers skip the micro-steps that do not sync, as Accelerate's do by
+    default (no step count kept for them)."""
     sync_with_dataloader = True
     """Accumulation windows always end at the end of a dataloader."""
 
@@ -118,12 +119,8 @@ class GradientStateView:
 
     @property
     def plugin_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.num_steps,
-            "adjust_scheduler": self.adjust_scheduler,
-            "sync_with_dataloader": self.sync_with_dataloader,
-            "sync_each_batch": False,
-        }
+        """The accumulation settings that differ from the plugin's defaults (Accelerate's)."""
+        return {"num_steps": self.num_steps}
 
     @property
     def sync_gradients(self) -> bool:
