@@ -98,8 +98,8 @@ def test_state_and_gradient_state_answer_to_accelerates_names(theirs):
                  "mixed_precision", "initialized"):  # fmt: skip
         assert getattr(ours.state, name) == getattr(theirs.state, name), name
     assert ours.state.distributed_type.value == theirs.state.distributed_type.value
-    for name in ("sync_gradients", "end_of_dataloader", "remainder", "in_dataloader",
-                 "num_steps", "adjust_scheduler", "sync_with_dataloader", "active_dataloader"):  # fmt: skip
+    for name in ("sync_gradients", "end_of_dataloader", "remainder", "in_dataloader", "num_steps",
+                 "adjust_scheduler", "sync_with_dataloader", "active_dataloader"):  # fmt: skip
         assert getattr(ours.gradient_state, name) == getattr(theirs.gradient_state, name), name
 
 
@@ -152,7 +152,7 @@ def test_unscale_gradients_divides_by_the_loss_scale_once():
         mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=scale)]
     )
     with pytest.raises(RuntimeError, match="scaler"):
-        accelerator.scaler
+        _ = accelerator.scaler
     net = Net()
     model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters()), pairs())
     assert accelerator.scaler is model.runtime.scaler
@@ -227,7 +227,7 @@ def test_gradient_state_follows_the_loop():
     state = accelerator.gradient_state
     assert not state.in_dataloader and state.remainder == -1 and state.num_steps == 2
     seen = []
-    for x, _ in loader:
+    for _batch in loader:
         with accelerator.accumulate(model):
             seen.append((state.in_dataloader, state.end_of_dataloader, state.sync_gradients))
             assert state.active_dataloader is loader and state.dataloader_references[-1] is loader
@@ -275,7 +275,7 @@ def test_members_of_features_retarget_lacks_name_themselves():
     with pytest.raises(NotImplementedError, match="lomo_backward"):
         accelerator.lomo_backward(torch.tensor(1.0), 0.1)
     with pytest.raises(RuntimeError, match="tensor_parallel_rank"):
-        accelerator.tensor_parallel_rank
+        _ = accelerator.tensor_parallel_rank
     with accelerator.maybe_context_parallel():
         pass  # off, as in Accelerate without context parallelism
     with pytest.raises(ValueError, match="destroy_process_group"):
