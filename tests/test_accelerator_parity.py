@@ -282,3 +282,59 @@ def test_members_of_features_retarget_lacks_name_themselves():
         accelerator.state.destroy_process_group(group=object())
     with pytest.raises(ValueError, match="select_deepspeed_plugin"):
         accelerator.state.select_deepspeed_plugin("other")
+
+
+# ------------------------------------------------------------------------------ two processes
+
+STATE_NAMES = (
+    "num_processes", "process_index", "local_process_index", "is_main_process",
+    "is_local_main_process", "is_last_process", "use_distributed", "mixed_precision",
+)  # fmt: skip
+
+
+def _state_of(rank: int, world: int, front_door: str) -> dict:
+    if front_door == "accelerate":
+        from accelerate import Accelerator as FrontDoor
+    else:
+        FrontDoor = Accelerator  # noqa: N806
+    accelerator = FrontDoor(cpu=True)
+    facts = {name: getattr(accelerator.state, name) for name in STATE_NAMES}
+    facts["distributed_type"] = accelerator.state.distributed_type.value
+    facts["accelerator"] = {name: getattr(accelerator, name) for name in STATE_NAMES}
+    if front_door == "accelerate":
+        return facts
+    if rank == 1:
+        accelerator.set_trigger()
+    facts["trigger"] = [accelerator.check_trigger(), accelerator.check_trigger()]
+    model = accelerator.prepare(Net())
+    with model.no_sync():  # DDP's method on the prepared model: gradients stay local
+        model(torch.full((1, 4), float(rank + 1))).sum().backward()
+    facts["local"] = model.fc1.weight.grad.clone()
+    model.zero_grad()
+    model(torch.full((1, 4), float(rank + 1))).sum().backward()
+    facts["synced"] = model.fc1.weight.grad.clone()
+    with accelerator.join_uneven_inputs([model]):
+        pass  # even_batches=True: every rank has as many batches, nothing to join
+    uneven = Accelerator(cpu=True, even_batches=False)
+    try:
+        with uneven.join_uneven_inputs([model]):
+            pass
+    except NotImplementedError as error:
+        facts["uneven"] = str(error)
+    return facts
+
+
+def test_two_ranks_state_triggers_no_sync_and_join():
+    from tests.distributed import run_ranks
+
+    theirs = run_ranks(_state_of, 2, "accelerate", timeout=180)
+    ours = run_ranks(_state_of, 2, "retarget", timeout=180)
+    for rank in range(2):
+        shared = {k: ours[rank][k] for k in theirs[rank]}
+        assert shared == theirs[rank], f"rank {rank}"
+        assert ours[rank]["distributed_type"] == "MULTI_CPU"
+        assert ours[rank]["trigger"] == [True, False], "rank 1's trigger seen by every rank"
+        assert "join_uneven_inputs" in ours[rank]["uneven"]
+    assert not torch.equal(ours[0]["local"], ours[1]["local"])
+    assert torch.equal(ours[0]["synced"], ours[1]["synced"])
+    torch.testing.assert_close(ours[0]["synced"], (ours[0]["local"] + ours[1]["local"]) / 2)
