@@ -115,8 +115,9 @@ def test_the_grid_includes_shuffled_padded_epochs_that_differ():
     assert retarget_rank(make, 2, 0)[0] != batches
 
 
-def _train(rank: int, world: int, front_door: str) -> tuple[list, list, float]:
+def _train(rank: int, world: int, front_door: str, dispatch: bool) -> tuple[list, list, float]:
     """A tiny dropout model trained 2 epochs on a shuffled loader through `front_door`."""
+    from accelerate import DataLoaderConfiguration  # ours converts Accelerate's instances
     from torch import nn
     from torch.nn import functional
     from torch.utils.data import TensorDataset
@@ -125,7 +126,8 @@ def _train(rank: int, world: int, front_door: str) -> tuple[list, list, float]:
         from accelerate import Accelerator
     else:
         from retarget import Accelerator
-    accelerator = Accelerator(cpu=True)
+    config = DataLoaderConfiguration(dispatch_batches=dispatch)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
     torch.manual_seed(0)
     data = torch.Generator().manual_seed(1)
     inputs, targets = torch.randn(38, 6, generator=data), torch.randn(38, 1, generator=data)
@@ -148,15 +150,62 @@ def _train(rank: int, world: int, front_door: str) -> tuple[list, list, float]:
     return losses, seen, torch.rand(()).item()
 
 
-def test_two_ranks_train_as_under_accelerate():
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_two_ranks_train_as_under_accelerate(dispatch):
     """2 gloo ranks, DDP in both (Accelerate's cpu=True): same batches, dropout and losses."""
     from tests.distributed import run_ranks
 
-    theirs = run_ranks(_train, 2, "accelerate", timeout=180)
-    ours = run_ranks(_train, 2, "retarget", timeout=180)
+    theirs = run_ranks(_train, 2, "accelerate", dispatch, timeout=180)
+    ours = run_ranks(_train, 2, "retarget", dispatch, timeout=180)
     for rank in range(2):
         assert ours[rank][1] == theirs[rank][1], f"rank {rank}: batches"
         assert len(ours[rank][1]) == 10 and ours[rank][1][:5] != ours[rank][1][5:]
         assert ours[rank][0] == pytest.approx(theirs[rank][0], rel=1e-5, abs=1e-7)
         assert ours[rank][2] == theirs[rank][2], f"rank {rank}: RNG consumed alike"
     assert ours[0][1] != ours[1][1]
+
+
+DISPATCH_GRID = [  # (samples, batch_size, split_batches, drop_last, shuffle)
+    (n, b, split, drop, shuffle)
+    for n in (1, 7, 8, 13)
+    for b in (2, 3, 4)
+    for split in (False, True)
+    for drop in (False, True)
+    for shuffle in (False, True)
+    # Accelerate's dispatcher fails when drop_last leaves fewer batches than processes
+    if not (split and b % 2) and not (drop and n // b < (1 if split else 2))
+]
+
+
+def _dispatched_both(rank: int, world: int) -> list:
+    """Each grid case through accelerate's DataLoaderDispatcher and ours, in one process group."""
+    from accelerate import Accelerator as Theirs
+
+    Theirs(cpu=True)  # creates the group; ProcessState adopts it
+    state = ProcessState.current()
+    mismatches = []
+    for case in DISPATCH_GRID:
+        n, batch_size, split, drop_last, shuffle = case
+
+        def make(n=n, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle):
+            return DataLoader(list(range(n)), batch_size=batch_size, drop_last=drop_last,
+                              shuffle=shuffle)  # fmt: skip
+
+        torch.manual_seed(5)
+        theirs = accelerate_data.prepare_data_loader(
+            make(), num_processes=world, process_index=rank, split_batches=split,
+            dispatch_batches=True, rng_types=["generator"], put_on_device=True,
+        )  # fmt: skip
+        expected = two_epochs(theirs)[:2]
+        torch.manual_seed(5)
+        options = ShardOptions(split_batches=split, dispatch_batches=True, order="accelerate")
+        ours = two_epochs(ShardedDataLoader(make(), state, options=options))[:2]
+        if ours != expected:
+            mismatches.append((case, ours, expected))
+    return mismatches
+
+
+def test_dispatch_gives_what_accelerates_dispatcher_sends():
+    from tests.distributed import run_ranks
+
+    assert run_ranks(_dispatched_both, 2, timeout=240) == [[], []]

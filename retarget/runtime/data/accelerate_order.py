@@ -16,8 +16,9 @@ seedable sampler):
   dispatch mode by rank 0 only).
 
 The drawn batches are then dealt by `sharding.deal_rounds`, which gives each rank what
-Accelerate's `BatchSamplerShard` gives it (tests/test_accelerate_order.py checks both against
-the installed accelerate). Resume: the generators' states at the epoch's start are part of
+Accelerate's `BatchSamplerShard` gives it, or in dispatch mode by `deal_dispatched` (what its
+`DataLoaderDispatcher` sends); tests/test_accelerate_order.py checks both against the installed
+accelerate. Resume: the generators' states at the epoch's start are part of
 `state()`; `replay(states)` makes the next draw start from them, then puts torch's global RNG
 back where it was (a checkpoint restores it) and leaves private generators as the uninterrupted
 run left them.
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
+from retarget.runtime.data.sharding import Deal, Part
 from retarget.runtime.process import ProcessState
 
 
@@ -116,3 +118,30 @@ def _set_state(generator: torch.Generator | None, state: torch.Tensor) -> None:
         torch.random.set_rng_state(state)
     else:
         generator.set_state(state)
+
+
+def deal_dispatched(
+    batches: list[list[int]], *, world: int, split_batches: bool, drop_last: bool
+) -> Deal:
+    """Accelerate's DataLoaderDispatcher deal: rank 0 concatenates a round (`world` batches, or
+    one batch with split_batches) and cuts it into `world` equal slices. An uneven last round
+    is first completed with the epoch's first `world` samples and each rank gets
+    `len // world + 1` samples; with drop_last a round short of batches is dropped (a round
+    whose samples do not divide evenly loses its tail); even_batches plays no part.
+    """
+    per_round = 1 if split_batches else world
+    if drop_last:  # the loader dropped its short batch; a round short of batches goes too
+        batches = batches[: len(batches) // per_round * per_round]
+    rounds: list[list[Part]] = []
+    first = [i for batch in batches for i in batch][:world]
+    remainder = duplicates = 0
+    for start in range(0, len(batches), per_round):
+        samples = [i for batch in batches[start : start + per_round] for i in batch]
+        share = len(samples) // world
+        remainder, duplicates = len(samples), 0
+        if not drop_last and len(samples) % world:
+            share += 1
+            duplicates = share * world - len(samples)
+            samples += first * (-(-duplicates // len(first)))  # first samples, as many as needed
+        rounds.append([samples[r * share : (r + 1) * share] or None for r in range(world)])
+    return Deal(rounds, remainder, duplicates)

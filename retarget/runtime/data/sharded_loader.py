@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from retarget.runtime.data.accelerate_order import AccelerateDraws
+from retarget.runtime.data.accelerate_order import AccelerateDraws, deal_dispatched
 from retarget.runtime.data.dispatch import CollateTagged, receive_batches
 from retarget.runtime.data.loader_facts import (
     batch_size_of,
@@ -277,6 +277,13 @@ class ShardedDataLoader:
         return self._deal_cache[1]
 
     def _deal_batches(self, batches: list[list[int]]) -> Deal:
+        if self._draws is not None and self._dispatch:
+            return deal_dispatched(
+                batches,
+                world=self.state.world_size,
+                split_batches=self.options.split_batches,
+                drop_last=drops_last(self.base_loader),
+            )
         return deal_rounds(
             batches,
             world=self.state.world_size,
