@@ -313,14 +313,21 @@ def _state_of(rank: int, world: int, front_door: str) -> dict:
     model.zero_grad()
     model(torch.full((1, 4), float(rank + 1))).sum().backward()
     facts["synced"] = model.fc1.weight.grad.clone()
-    with accelerator.join_uneven_inputs([model]):
-        pass  # even_batches=True: every rank has as many batches, nothing to join
-    uneven = Accelerator(cpu=True, even_batches=False)
+    model.zero_grad()
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = accelerator.prepare(pairs(n=10, batch_size=2))  # 5 batches: 3 and 2 when uneven
+    steps = 0
+    with accelerator.join_uneven_inputs([model], even_batches=False):
+        for x, _ in loader:
+            accelerator.backward(model(x).sum())
+            optimizer.step(), optimizer.zero_grad()
+            steps += 1
+    facts["joined"] = (steps, len(loader), model.fc1.weight.detach().clone())
     try:
-        with uneven.join_uneven_inputs([model]):
+        with accelerator.join_uneven_inputs([nn.Linear(1, 1)]):
             pass
     except NotImplementedError as error:
-        facts["uneven"] = str(error)
+        facts["refused"] = str(error)
     return facts
 
 
@@ -334,7 +341,13 @@ def test_two_ranks_state_triggers_no_sync_and_join():
         assert shared == theirs[rank], f"rank {rank}"
         assert ours[rank]["distributed_type"] == "MULTI_CPU"
         assert ours[rank]["trigger"] == [True, False], "rank 1's trigger seen by every rank"
-        assert "join_uneven_inputs" in ours[rank]["uneven"]
+        assert "join_uneven_inputs" in ours[rank]["refused"]
     assert not torch.equal(ours[0]["local"], ours[1]["local"])
     assert torch.equal(ours[0]["synced"], ours[1]["synced"])
     torch.testing.assert_close(ours[0]["synced"], (ours[0]["local"] + ours[1]["local"]) / 2)
+    (steps_0, even_length, weights_0), (steps_1, _, weights_1) = (
+        ours[0]["joined"],
+        ours[1]["joined"],
+    )
+    assert (steps_0, steps_1, even_length) == (3, 2, 3)  # uneven inside, even_batches after
+    assert torch.equal(weights_0, weights_1), "Join leaves the ranks' weights equal"

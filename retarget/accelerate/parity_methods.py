@@ -149,18 +149,31 @@ class ParityMethods:
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None):
-        """Accelerate's context for processes with different batch counts. Prepared loaders
-        with even_batches=True give every process the same count, so inside it nothing needs
-        joining; uneven inputs (even_batches=False) are refused: torch's Join needs the DDP
-        module, which the compiled model does not hand out."""
-        uneven = even_batches is False or not self.even_batches
-        if self.num_processes > 1 and uneven:
-            raise NotImplementedError(
-                "join_uneven_inputs with even_batches=False across processes cannot be "
-                "honoured: keep even_batches=True (prepared loaders then give every process the "
-                "same number of batches, and gather_for_metrics drops the duplicates)"
-            )
-        yield
+        """Train on processes with different numbers of batches (torch's Join), as Accelerate.
+
+        `even_batches` overrides the prepared loaders' setting inside (dispatching loaders
+        keep theirs). With uneven batches a process that runs out shadows the others'
+        gradient all-reduces until all are done, and DDP then makes the weights agree. A
+        prepared model stands for its DDP wrapper; sharded (FSDP) models cannot join.
+        """
+        if self.num_processes == 1:
+            yield  # nothing to join, as in Accelerate (which warns)
+            return
+        from torch.distributed.algorithms.join import Join
+
+        members = [_joinable(obj) for obj in joinables]
+        overridden = [(loader, loader.options.even_batches) for loader in self._dataloaders]
+        overridden = [(loader, even) for loader, even in overridden if not loader._dispatch]
+        if even_batches is None:
+            even_batches = self.even_batches
+        try:
+            for loader, _ in overridden:
+                loader.set_even_batches(even_batches)
+            with Join(members, enable=not even_batches, throw_on_early_termination=False):
+                yield
+        finally:
+            for loader, even in overridden:
+                loader.set_even_batches(even)
 
     @contextlib.contextmanager
     def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
@@ -172,6 +185,23 @@ class ParityMethods:
                 "sync: the window holds these gradients back; use it outside accumulate()"
             )
         yield
+
+
+def _joinable(obj: Any) -> Any:
+    """What torch's Join takes for `obj`: a prepared model's DDP wrapper, or a Joinable."""
+    from torch.distributed.algorithms.join import Joinable
+
+    if isinstance(obj, Joinable):
+        return obj
+    applied = (
+        obj.runtime.applied if isinstance(obj, nn.Module) and hasattr(obj, "runtime") else None
+    )
+    if applied is not None and applied.kind == "ddp":
+        return applied.ddp
+    raise NotImplementedError(
+        f"join_uneven_inputs cannot join {type(obj).__name__}: only a model prepared for ddp "
+        "(its DDP wrapper) or a torch Joinable; sharded (fsdp) models have no join hook"
+    )
 
 
 def _placement(device_placement: bool | None) -> Any:

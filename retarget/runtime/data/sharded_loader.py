@@ -26,6 +26,7 @@ and gradient accumulation read its `end_of_dataloader`, `remainder` and `duplica
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -167,6 +168,12 @@ class ShardedDataLoader:
         self._draws: AccelerateDraws | None = None
         if options.order == "accelerate" and not self._iterable:
             self._draws = AccelerateDraws(loader, state, dispatch=self._dispatch)
+
+    def set_even_batches(self, even_batches: bool) -> None:
+        """Change `even_batches` from the next iteration on (join_uneven_inputs' override)."""
+        self.options = dataclasses.replace(self.options, even_batches=even_batches)
+        self._even = even_batches and self.state.distributed
+        self._deal_cache = None
 
     # -- epochs and resume ----------------------------------------------------------------------
 
