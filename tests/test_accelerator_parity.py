@@ -155,7 +155,11 @@ def test_unscale_gradients_divides_by_the_loss_scale_once():
         _ = accelerator.scaler
     net = Net()
     model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters()), pairs())
-    assert accelerator.scaler is model.runtime.scaler
+    assert accelerator.scaler is model.runtime.scaler.grad_scaler
+    assert (
+        isinstance(accelerator.scaler, torch.amp.GradScaler)
+        and accelerator.scaler.get_scale() == scale
+    )
     x, y = next(iter(loader))
     accelerator.backward(F.cross_entropy(model(x), y))
     scaled = [p.grad.clone() for p in model.parameters()]

@@ -198,7 +198,8 @@ class ParityMembers:
 
     @property
     def scaler(self) -> Any:
-        """The fp16 loss scaler of the prepared model (GradScaler's interface), else None."""
+        """The torch GradScaler of the prepared model's fp16 loss scaling, else None (what
+        Accelerate's is; the runtime's LossScaler drives it)."""
         if not self._models:
             if self.mixed_precision == "fp16":
                 raise RuntimeError(
@@ -206,4 +207,5 @@ class ParityMembers:
                     "model; read accelerator.scaler after prepare"
                 )
             return None
-        return self._models[0].runtime.scaler
+        scaler = self._models[0].runtime.scaler
+        return None if scaler is None else scaler.grad_scaler
