@@ -44,6 +44,9 @@ from retarget.accelerate.arguments import (
 )
 from retarget.accelerate.example_inputs import example_inputs_for
 from retarget.accelerate.kwargs_handlers import collect_handlers
+from retarget.accelerate.parity_members import ParityMembers
+from retarget.accelerate.parity_methods import ParityMethods
+from retarget.accelerate.parity_state import AcceleratorState
 from retarget.accelerate.precision_kwargs import AutocastKwargs
 from retarget.accelerate.process_kwargs import InitProcessGroupKwargs, ProfileKwargs
 from retarget.accelerate.scheduler import PreparedScheduler
@@ -66,7 +69,7 @@ from retarget.runtime.state import checkpoint
 __all__ = ["Accelerator", "DistributedType"]
 
 
-class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
+class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, ParityMethods):
     """Accelerate's `Accelerator`, realised by retarget's passes and runtime.
 
     Arguments as in Accelerate (see the README's "Coming from Accelerate"), plus `target=`:
@@ -99,7 +102,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
     ) -> None:
         refuse_unsupported(device_placement=device_placement, **unsupported)
         handlers = collect_handlers(kwargs_handlers)
-        self.state = _process_state(handlers.get(InitProcessGroupKwargs), cpu)
+        process = _process_state(handlers.get(InitProcessGroupKwargs), cpu)
+        self.state = process
         resolution = resolve_target(
             target=target,
             mixed_precision=mixed_precision,
@@ -110,6 +114,16 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
         )
         self.target = with_dynamo(resolution.target, dynamo_backend)
         self.target_origin = resolution.origin
+        self.state = AcceleratorState.of(
+            process,
+            distributed_type=distributed_type(self.target, process.world_size, process.device),
+            mixed_precision=self.mixed_precision,
+            is_fsdp2=self.is_fsdp2,
+            deepspeed_plugin=deepspeed_plugin,
+            compiles="compile" in self.target,
+        )
+        self.kwargs_handlers = handlers
+        self.dataloader_config = dataloader_config
         self.gradient_accumulation_steps = accumulation_steps(
             gradient_accumulation_steps, resolution.gradient_accumulation_steps
         )
@@ -142,7 +156,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
     @property
     def distributed_type(self) -> DistributedType:
         """Accelerate's name for the target's distribution (NO in a world of one)."""
-        return distributed_type(self.target, self.state.world_size, self.device)
+        return self.state.distributed_type
 
     @property
     def mixed_precision(self) -> str:

@@ -54,9 +54,9 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "the runtime places the model and every batch on the process's device",
     ),
     "rng_types": (
-        lambda v: v is None,
-        "shuffles are seeded from one seed rank 0 broadcasts, plus the epoch, so no "
-        "generator needs synchronising; the global RNGs (dropout) are left to the script",
+        lambda v: v is None or list(v) == ["generator"],
+        "prepared loaders draw as with Accelerate's default, rng_types=['generator'] (the "
+        "sampler's generator kept in sync); torch's global RNG is left to the script",
     ),
     "torch_tp_plugin": (
         lambda v: v is None,
@@ -121,7 +121,8 @@ _DATALOADER_REFUSED = {
     "skips what it trained on (skip_first_batches), as with Accelerate's default",
     "custom_sampler": "the loader's own sampler is sharded; give it to the DataLoader",
 }
-# Prepared loaders always shuffle from a seed (seedable) and copy batches as torch does.
+# use_seedable_sampler picks retarget's seeded order (seed + epoch); batches are copied as torch
+# copies them (non_blocking is accepted as a hint).
 _DATALOADER_ACCEPTED = ("use_seedable_sampler", "non_blocking", "data_seed")
 
 
@@ -131,6 +132,7 @@ def shard_options(config: Any, split: bool, even: bool, dispatch: bool) -> dict[
         "split_batches": split,
         "even_batches": even,
         "dispatch_batches": dispatch,
+        "order": "accelerate",  # Accelerate's default: no seedable sampler
     }
     if config is None:
         return options
@@ -145,6 +147,8 @@ def shard_options(config: Any, split: bool, even: bool, dispatch: bool) -> dict[
                 )
         elif name not in _DATALOADER_ACCEPTED:
             raise KwargsHandlerError(f"DataLoaderConfiguration has an unknown field {name!r}")
+    if getattr(config, "use_seedable_sampler", False):
+        options["order"] = "seeded"
     if getattr(config, "data_seed", None) is not None:
         options["seed"] = int(config.data_seed)
     return options

@@ -69,13 +69,14 @@ class StepMethods:
 
     @property
     def sync_gradients(self) -> bool:
-        """Whether the current micro-step synchronises gradients (the optimizer steps)."""
-        return all(runtime.sync_gradients for runtime in self._runtimes())
+        """Whether the current micro-step synchronises gradients (the optimizer steps); True
+        before any model is prepared, as in Accelerate."""
+        return not self._models or all(runtime.sync_gradients for runtime in self._runtimes())
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last optimizer step was skipped by the fp16 loss scaler (inf/nan)."""
-        return any(runtime.step_was_skipped for runtime in self._runtimes())
+        return bool(self._models) and any(runtime.step_was_skipped for runtime in self._runtimes())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0):
         """Clip the global gradient norm (across shards and processes; fp16: unscaled first);

@@ -9,6 +9,7 @@ the original forward runs and the region modules inside it run theirs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -68,6 +69,18 @@ class CompiledModule(RegionModule):
         if pass_name is None:
             return self.program.graph_text()
         return self.program.graphs_at(pass_name, when)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's `model.no_sync()`: forward and backward inside keep gradients local."""
+        return self.runtime.no_sync()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # DDP's `.module`: scripts reach the model's attributes there
+                return self
+            raise
 
     def unwrap(self) -> nn.Module:
         """The original model object, carrying the current weights."""

@@ -278,17 +278,17 @@ class ProcessStateFacade:
         """Barrier across all processes (no-op in a world of one)."""
         self.state.wait_for_everyone()
 
-    def on_main_process(self, fn: F) -> F:
-        """Decorator: run `fn` on rank 0 only (others return None)."""
-        return self.state.on_main_process(fn)
+    def on_main_process(self, function: F) -> F:
+        """Decorator: run `function` on rank 0 only (others return None)."""
+        return self.state.on_main_process(function)
 
-    def on_local_main_process(self, fn: F) -> F:
-        """Decorator: run `fn` on local rank 0 of each machine only."""
-        return self.state.on_local_main_process(fn)
+    def on_local_main_process(self, function: F) -> F:
+        """Decorator: run `function` on local rank 0 of each machine only."""
+        return self.state.on_local_main_process(function)
 
-    def on_last_process(self, fn: F) -> F:
-        """Decorator: run `fn` on the last global rank only."""
-        return self.state.on_process(self.state.world_size - 1)(fn)
+    def on_last_process(self, function: F) -> F:
+        """Decorator: run `function` on the last global rank only."""
+        return self.state.on_process(self.state.world_size - 1)(function)
 
     def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
         """`@on_process(process_index=1)` or `on_process(fn, process_index=1)` (Accelerate's)."""

@@ -64,8 +64,11 @@ def main():
     with run.main_process_first():
         train_dataset = synthetic_mnist(512, seed=1)
         test_dataset = synthetic_mnist(250, seed=2)
-    train_loader = run.shard(DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True))
-    test_loader = run.shard(DataLoader(test_dataset, batch_size=args.batch_size))
+    # order="accelerate": shuffled and drawn from the RNG as the Accelerator's prepare does
+    train = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True)
+    train_loader = run.shard(train, order="accelerate")
+    test = DataLoader(test_dataset, batch_size=args.batch_size)
+    test_loader = run.shard(test, order="accelerate")
 
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)

@@ -26,6 +26,7 @@ and gradient accumulation read its `end_of_dataloader`, `remainder` and `duplica
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from retarget.runtime.data.accelerate_order import AccelerateDraws, deal_dispatched
 from retarget.runtime.data.dispatch import CollateTagged, receive_batches
 from retarget.runtime.data.loader_facts import (
     batch_size_of,
@@ -59,6 +61,11 @@ def active_loader() -> ShardedDataLoader | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def active_loaders() -> list[ShardedDataLoader]:
+    """Every ShardedDataLoader being iterated, outermost first (nested loops)."""
+    return list(_ACTIVE)
+
+
 def shard_dataloader(
     loader: DataLoader,
     state: ProcessState | None = None,
@@ -68,12 +75,14 @@ def shard_dataloader(
     dispatch_batches: bool = False,
     device: torch.device | str | None = None,
     seed: int | None = None,
+    order: str = "seeded",
 ) -> ShardedDataLoader:
     """`loader` divided between the processes of `state` (see ShardOptions for the options).
 
     Every rank must call this together: rank 0's `seed` (by default the loader generator's or
-    torch's initial seed) is broadcast so that all ranks shuffle alike. Batches are moved to
-    `device` (default: the process's device).
+    torch's initial seed) is broadcast so that all ranks shuffle alike; `order="accelerate"`
+    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches are
+    moved to `device` (default: the process's device).
     """
     state = state if state is not None else ProcessState.current()
     if seed is None:
@@ -83,7 +92,10 @@ def shard_dataloader(
     if state.distributed:
         dist.broadcast_object_list(box, src=0)
     options = ShardOptions(
-        split_batches=split_batches, even_batches=even_batches, dispatch_batches=dispatch_batches
+        split_batches=split_batches,
+        even_batches=even_batches,
+        dispatch_batches=dispatch_batches,
+        order=order,
     )
     return ShardedDataLoader(loader, state, options=options, device=device, seed=box[0])
 
@@ -153,6 +165,15 @@ class ShardedDataLoader:
         self._final = (-1, -1)
         self._inner: DataLoader | None = None
         self._inner_batches = _EpochBatches()
+        self._draws: AccelerateDraws | None = None
+        if options.order == "accelerate" and not self._iterable:
+            self._draws = AccelerateDraws(loader, state, dispatch=self._dispatch)
+
+    def set_even_batches(self, even_batches: bool) -> None:
+        """Change `even_batches` from the next iteration on (join_uneven_inputs' override)."""
+        self.options = dataclasses.replace(self.options, even_batches=even_batches)
+        self._even = even_batches and self.state.distributed
+        self._deal_cache = None
 
     # -- epochs and resume ----------------------------------------------------------------------
 
@@ -167,22 +188,29 @@ class ShardedDataLoader:
             self.base_loader, self.state, options=self.options, device=self.device, seed=self.seed
         )
         skipped.set_epoch(self.epoch)
+        skipped._draws = self._draws
         skipped._skip = num_batches
         return skipped
 
-    def state_dict(self) -> dict[str, int]:
-        """Where this loader is: resuming from it continues with the next unseen batch."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: resuming from it continues with the next unseen batch (in
+        Accelerate's order, with the RNG states its epoch was drawn from)."""
         done = self._finished or (not self._iterable and self.position >= self._epoch_length())
         if self._started and done:
             return {"epoch": self.epoch + 1, "position": 0, "seed": self.seed}
         position = self.position if self._started else self._skip
-        return {"epoch": self.epoch, "position": position, "seed": self.seed}
+        state: dict[str, Any] = {"epoch": self.epoch, "position": position, "seed": self.seed}
+        if self._draws is not None and self._started:
+            state["epoch_start_rng"] = list(self._draws.epoch_start)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s point: same seed, same epoch, next unseen batch."""
         self.seed = state["seed"]
         self.set_epoch(state["epoch"])
         self._skip = state["position"]
+        if self._draws is not None and "epoch_start_rng" in state:
+            self._draws.replay(state["epoch_start_rng"])
 
     @property
     def total_dataset_length(self) -> int | None:
@@ -227,6 +255,10 @@ class ShardedDataLoader:
         self.end_of_dataloader, self._finished = True, True
 
     def _source(self, epoch: int, skip: int) -> Iterator[Any]:
+        if self._draws is not None:
+            drawn = self._draws.draw(epoch)
+            if drawn or not self._dispatch:  # dispatch: rank 0 alone draws the batches
+                self._deal_cache = (epoch, self._deal_batches(drawn))
         if self._dispatch:
             return receive_batches(
                 self.state,
@@ -241,18 +273,32 @@ class ShardedDataLoader:
         return iter(self._map_loader(deal.parts_of(self.state.rank)[skip:], epoch))
 
     def _deal(self, epoch: int) -> Deal:
+        """The epoch's deal: drawn (seeded order), or, in Accelerate's order before the epoch
+        is drawn, dealt from the batch sizes alone (its lengths are right; RNG untouched)."""
         if self._deal_cache is None or self._deal_cache[0] != epoch:
-            batches = epoch_batches(self.base_loader.batch_sampler, self.seed, epoch)
-            deal = deal_rounds(
+            if self._draws is not None:
+                batches = [list(range(size)) for size in self._draws.batch_sizes()]
+            else:
+                batches = epoch_batches(self.base_loader.batch_sampler, self.seed, epoch)
+            self._deal_cache = (epoch, self._deal_batches(batches))
+        return self._deal_cache[1]
+
+    def _deal_batches(self, batches: list[list[int]]) -> Deal:
+        if self._draws is not None and self._dispatch:
+            return deal_dispatched(
                 batches,
                 world=self.state.world_size,
-                batch_size=self._loader_batch,
                 split_batches=self.options.split_batches,
-                even_batches=self._even,
                 drop_last=drops_last(self.base_loader),
             )
-            self._deal_cache = (epoch, deal)
-        return self._deal_cache[1]
+        return deal_rounds(
+            batches,
+            world=self.state.world_size,
+            batch_size=self._loader_batch,
+            split_batches=self.options.split_batches,
+            even_batches=self._even,
+            drop_last=drops_last(self.base_loader),
+        )
 
     def _epoch_length(self) -> int:
         if not self._iterable:

@@ -55,6 +55,16 @@ class ShardOptions:
     """Rank 0 alone reads the dataset and sends each rank its batch; the other ranks never touch
     the dataset (for streams that cannot be read in parallel, or costly preprocessing)."""
 
+    order: str = "seeded"
+    """How a map-style loader's epochs are shuffled. "seeded": from the agreed seed + epoch,
+    the caller's RNG untouched, the same order for any world size. "accelerate": drawn from the
+    RNG as Accelerate's prepared loader draws it (accelerate_order.py), so a script moved from
+    Accelerate gets its batches and its later random numbers (dropout) unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.order not in ("seeded", "accelerate"):
+            raise ValueError(f"ShardOptions(order={self.order!r}): 'seeded' or 'accelerate'")
+
 
 @dataclass(frozen=True)
 class Deal:
