@@ -32,7 +32,7 @@ def alive_storage_bytes() -> int:
     gc.collect()
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
             continue
         try:
             storage = obj.untyped_storage()
@@ -101,19 +101,22 @@ def _weights_come_back(compiled, model, optimizer, batch, folder: str) -> dict[s
     """unwrap(), Accelerate's unwrap_model and save_model all give get_state_dict's weights."""
     from safetensors.torch import load_file
 
+    from retarget.core.modules import released
     from retarget.runtime.state.save_model import get_state_dict, save_model, unwrap_model
 
     rank = torch.distributed.get_rank()
     _one_step(compiled, optimizer, batch)
     expected = get_state_dict(compiled)  # full tensors on rank 0, {} elsewhere
+    big = [p for p in model.parameters() if p.numel() > 1]
+    result = {"original emptied while training": all(released(p) for p in big)}
     unwrapped = compiled.unwrap()  # every rank calls it: it gathers
-    result = {"unwrap is the original": unwrapped is model}
+    result["unwrap is the original"] = unwrapped is model
+    result["unwrap fills it"] = not any(released(p) for p in big)
     result["unwrap bitwise"] = rank != 0 or _bitwise(unwrapped.state_dict(), expected)
     _one_step(compiled, optimizer, batch)  # weights move on: a second unwrap must follow them
     expected = get_state_dict(compiled)
-    result["unwrap_model bitwise"] = rank != 0 or _bitwise(
-        unwrap_model(compiled).state_dict(), expected
-    )
+    again = unwrap_model(compiled)  # Accelerator.unwrap_model's path; gathers on every rank
+    result["unwrap_model bitwise"] = rank != 0 or _bitwise(again.state_dict(), expected)
     saved = save_model(compiled, Path(folder) / "saved")
     if rank == 0:
         files = sorted(saved.glob("*.safetensors"))

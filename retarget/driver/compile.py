@@ -57,6 +57,9 @@ def compile_for(
 
     The user's `model` object is never edited: the result is a structural copy that shares every
     parameter tensor with it; `compiled.unwrap()` gives `model` back with the current weights.
+    One exception: once FSDP2 has sharded the compiled model, the parameters of `model` it
+    replaced are emptied (same objects, no storage), so that a rank holds 1/N of the weights,
+    not a full copy beside its shards; `unwrap()` gathers them back (every rank calls it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_for takes an nn.Module, got {type(model).__name__}")
