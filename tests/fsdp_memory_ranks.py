@@ -101,6 +101,8 @@ def _weights_come_back(compiled, model, optimizer, batch, folder: str) -> dict[s
     """unwrap(), Accelerate's unwrap_model and save_model all give get_state_dict's weights."""
     from safetensors.torch import load_file
 
+    import retarget
+    from retarget.core.errors import TargetNotSupportedError
     from retarget.core.modules import released
     from retarget.runtime.state.save_model import get_state_dict, save_model, unwrap_model
 
@@ -109,6 +111,11 @@ def _weights_come_back(compiled, model, optimizer, batch, folder: str) -> dict[s
     expected = get_state_dict(compiled)  # full tensors on rank 0, {} elsewhere
     big = [p for p in model.parameters() if p.numel() > 1]
     result = {"original emptied while training": all(released(p) for p in big)}
+    try:
+        retarget.compile_for(model, "fsdp", example_inputs=batch)
+        result["emptied model refused"] = False
+    except TargetNotSupportedError as err:
+        result["emptied model refused"] = "call unwrap() on that compiled model" in str(err)
     unwrapped = compiled.unwrap()  # every rank calls it: it gathers
     result["unwrap is the original"] = unwrapped is model
     result["unwrap fills it"] = not any(released(p) for p in big)
