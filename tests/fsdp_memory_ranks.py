@@ -15,7 +15,7 @@ from retarget.models import TinyConfig, synthetic_batch, tiny_lm
 
 #: About 0.46 M parameters (1.8 MB in float32): a full copy on a rank is far above the slack.
 SHAPE = dict(vocab_size=512, hidden=128, heads=4, layers=2)
-TARGETS = ("fsdp", "zero2", "hsdp", "fsdp+bf16", "fsdp+ac")
+TARGETS = ("fsdp", "zero3", "zero2", "hsdp", "fsdp+bf16", "fsdp+ac")
 #: Bytes allowed beyond the shards, buffers and batch (small Python-side tensors: RNG states,
 #: scalars, the optimizer's step counters).
 SLACK = 64 * 1024
@@ -79,8 +79,10 @@ def memory_rank(rank: int, world: int, folder: str) -> dict[str, object]:
         batch = synthetic_batch(TinyConfig(**SHAPE), 2, 16, generator=torch.Generator())
         bound = shard_bound(model, world, batch)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
-        # Built on the original's parameters before compile_for, as Accelerate users do.
+        # Built on the original's parameters before compile_for, as Accelerate users do; a
+        # backward before compile_for leaves full-size gradients on them.
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(**batch)["loss"].backward()
         compiled = retarget.compile_for(model, target, example_inputs=batch)
         optimizer = compiled.runtime.prepare(optimizer)
         held = {"compiled": alive_storage_bytes() - baseline}

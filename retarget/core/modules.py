@@ -110,6 +110,7 @@ def release_replaced(original: nn.Module, current: nn.Module) -> int:
         fill = math.nan if param.is_floating_point() else 0
         one = torch.full((), fill, dtype=param.dtype, device=param.device)
         param.data = one.expand(param.shape)
+        param.grad = None  # a gradient from before compile_for is full-size too, and stale
         count += 1
     return count
 
