@@ -96,7 +96,41 @@ def memory_rank(rank: int, world: int, folder: str) -> dict[str, object]:
         if target == "fsdp+bf16":
             out["weights"] = _weights_come_back(compiled, model, optimizer, batch, folder)
         del model, compiled, optimizer
+    out["accelerator"] = _through_accelerator(folder)
     return out
+
+
+def _through_accelerator(folder: str) -> dict[str, object]:
+    """retarget.Accelerator with an FSDP plugin: shards only after prepare and a step, and its
+    unwrap_model and save_model give get_state_dict's weights."""
+    from safetensors.torch import load_file
+
+    from retarget import Accelerator
+
+    rank = torch.distributed.get_rank()
+    baseline = alive_storage_bytes()
+    accelerator = Accelerator(fsdp_plugin={})
+    torch.manual_seed(0)
+    original = tiny_lm(**SHAPE)
+    batch = synthetic_batch(TinyConfig(**SHAPE), 2, 16, generator=torch.Generator())
+    bound = shard_bound(original, torch.distributed.get_world_size(), batch)
+    model, optimizer = accelerator.prepare(original, torch.optim.SGD(original.parameters(), 0.1))
+    accelerator.backward(model(**batch)["loss"])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    result = {"target": str(model.program.target), "held": alive_storage_bytes() - baseline}
+    result["bound"] = bound
+    expected = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    result["unwrap_model bitwise"] = rank != 0 or (
+        unwrapped is original and _bitwise(unwrapped.state_dict(), expected)
+    )
+    saved = Path(folder) / "accelerator"
+    accelerator.save_model(model, saved)
+    if rank == 0:
+        on_disk = {k: v for f in saved.glob("*.safetensors") for k, v in load_file(f).items()}
+        result["save_model bitwise"] = _bitwise(on_disk, expected, skip_missing=True)
+    return result
 
 
 def _weights_come_back(compiled, model, optimizer, batch, folder: str) -> dict[str, bool]:

@@ -22,3 +22,6 @@ def test_a_rank_holds_its_shards_and_unwrap_gathers_the_trained_weights(tmp_path
             for when, nbytes in held.items():
                 assert nbytes <= bound, f"rank {rank}, {target}, {when}: {nbytes} > {bound}"
         assert all(out["weights"].values()), out["weights"]
+        through = out["accelerator"]
+        assert through["target"] == "fsdp" and through["held"] <= through["bound"], through
+        assert all(v for k, v in through.items() if k.endswith("bitwise")), through
