@@ -3,6 +3,7 @@ saves, the budget solver, guards (BatchNorm, hooks, lazy capture), no-op and bad
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import pytest
@@ -164,6 +165,22 @@ def test_full_halves_peak_and_budget_lands_on_its_budget():
     none, full, budget = measured["single"], measured["ac"], measured["ac[budget=0.5]"]
     assert full.peak <= 0.5 * none.peak, (full, none)
     assert 0.9 * 0.5 <= budget.activations / none.activations <= 1.1 * 0.5, (budget, none)
+
+
+def _graph_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn)
+
+
+def test_profiling_leaves_no_forward_alive():
+    """The activation profile's forward is freed: its saved-tensor hook once returned the tensor
+    itself, and a node saving its own output (rsqrt) then held it in a cycle through C++ that
+    gc never frees, with every activation and transposed weight of the forward."""
+    batch = _deep_batch()
+    before = _graph_tensors()
+    compiled = retarget.compile_for(_deep_model(), "ac", example_inputs=batch)
+    assert compiled.program.analysis.activation_profile is not None  # the profile ran
+    assert _graph_tensors() == before
 
 
 # -- structure -----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Behaviour is added with dynamic subclasses (as FSDP2's `fully_shard` does): an i
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -69,6 +70,9 @@ def _is_wrapper(cls: type) -> bool:
 def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
     """Make `target`'s state equal `source`'s where they are not already the same tensors.
 
+    A DTensor in `source` is gathered whole (a collective: every rank must call this). A
+    parameter of `target` that `release_replaced` emptied gets fresh storage holding the
+    gathered tensor, in place (the same Parameter object, so references to it see the weights).
     Returns how many tensors were copied (0 when the trees share every tensor).
     """
     target_state = target.state_dict(keep_vars=True)
@@ -79,6 +83,43 @@ def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
             if dest is value or not isinstance(value, torch.Tensor):
                 continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            dest.copy_(full.detach().to(dest.device))
+            if released(dest):
+                dest.data = full.detach().to(dest.dtype, copy=full is value)
+            else:
+                dest.copy_(full.detach().to(dest.device))
             copied += 1
     return copied
+
+
+def release_replaced(original: nn.Module, current: nn.Module) -> int:
+    """Free the storage of `original`'s parameters that `current` no longer uses.
+
+    FSDP2's fully_shard replaces each parameter of the compiled model by a DTensor shard; the
+    user's model, kept for `unwrap()`, would otherwise hold the full tensors on every rank
+    beside the shards. Each such Parameter object keeps its identity, shape, dtype, device and
+    requires_grad, but its data becomes one element broadcast to the shape (NaN for floating
+    dtypes, so a forward of the emptied model shows it; an in-place write raises), and every
+    holder of the object (the user's model, an optimizer built on it, a captured graph) stops
+    pinning the memory. `sync_weights_into` fills it again. Returns how many were released.
+    """
+    kept = {id(p) for p in current.parameters()}
+    count = 0
+    for param in {id(p): p for p in original.parameters()}.values():
+        if id(param) in kept or released(param) or param.numel() <= 1:
+            continue
+        fill = math.nan if param.is_floating_point() else 0
+        one = torch.full((), fill, dtype=param.dtype, device=param.device)
+        param.data = one.expand(param.shape)
+        param.grad = None  # a gradient from before compile_for is full-size too, and stale
+        count += 1
+    return count
+
+
+def released(tensor: torch.Tensor) -> bool:
+    """Whether `release_replaced` emptied `tensor`: its storage is smaller than its elements.
+
+    (A meta tensor never holds storage: not released, just weightless.)
+    """
+    if tensor.is_meta or tensor.numel() <= 1:
+        return False
+    return tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size()

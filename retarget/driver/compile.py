@@ -10,7 +10,7 @@ from torch import nn
 
 from retarget.bigmodel.stream_weights import stream_weights
 from retarget.core.errors import EagerRegionWarning, TargetNotSupportedError
-from retarget.core.modules import structural_copy, with_mixin
+from retarget.core.modules import released, structural_copy, with_mixin
 from retarget.core.slots import OFFLOAD, PROGRAM
 from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
@@ -58,6 +58,9 @@ def compile_for(
 
     The user's `model` object is never edited: the result is a structural copy that shares every
     parameter tensor with it; `compiled.unwrap()` gives `model` back with the current weights.
+    One exception: once FSDP2 has sharded the compiled model, the parameters of `model` it
+    replaced are emptied (same objects, no storage), so that a rank holds 1/N of the weights,
+    not a full copy beside its shards; `unwrap()` gathers them back (every rank calls it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_for takes an nn.Module, got {type(model).__name__}")
@@ -99,6 +102,13 @@ def compile_for(
 def _refuse_weightless(model: nn.Module) -> None:
     """compile_for runs the model to capture it: its weights must be there (or mapped)."""
     dispatched = OFFLOAD.get(model) is not None
+    emptied = next((n for n, p in model.named_parameters() if released(p)), None)
+    if emptied:
+        raise TargetNotSupportedError(
+            f"compile_for: the model's weights ({emptied}, ...) were emptied when an earlier "
+            "compile_for sharded them with FSDP; call unwrap() on that compiled model (every "
+            "rank) to gather them back first, or keep training the compiled model"
+        )
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
     if dispatched or meta:
         what = (

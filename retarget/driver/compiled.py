@@ -83,7 +83,15 @@ class CompiledModule(RegionModule):
             raise
 
     def unwrap(self) -> nn.Module:
-        """The original model object, carrying the current weights."""
+        """The original model object, carrying the current weights.
+
+        Under fsdp/zero2/zero3/hsdp the original's parameters are emptied once FSDP2 shards the
+        compiled model (`core.modules.release_replaced`: a rank holds its shards, not a full copy
+        beside them). unwrap() gathers the full weights into those same Parameter objects: a
+        collective that every rank must call, after which this rank holds a full copy again.
+
+            >>> model = compiled.unwrap()     # every rank, e.g. before generate() or export
+        """
         original = self.program.original
         sync_weights_into(self, original)
         return original

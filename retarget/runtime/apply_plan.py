@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from retarget.core.capturing import capturing
+from retarget.core.modules import release_replaced
 from retarget.core.plans import AppliedPlan, FsdpPlan
 from retarget.core.slots import APPLIED, OUTER_FORWARD
 from retarget.core.world import launch_environment
@@ -207,6 +208,8 @@ def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState) -> Applie
         with hooks_skip_captures(module):
             fully_shard(module, **kwargs)
         applied.fsdp_modules.append(module)
+    # The user's model (kept for unwrap) would pin a full copy of every replaced parameter.
+    release_replaced(program.original, program.module)
     if plan.state_dict == "full":
         program.module.register_state_dict_post_hook(_full_state_dict)
         program.module.register_load_state_dict_pre_hook(_shard_loaded_state)

@@ -142,13 +142,16 @@ class _Profiler(StorageTracker):
             self.held.append(storage)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Detached: a node saving its own output (rsqrt, silu) would otherwise hold the output
+        # object, whose grad_fn is that node: a cycle through C++ that gc never frees, which
+        # kept the whole profiled forward (activations and transposed weights) alive.
         if not self.stack:
             self.record(self.glue, tensor.untyped_storage())
-            return tensor
+            return tensor.detach()
         call = self.stack[-1]
         call.needed = len(call.ops)  # parameters count too: a checkpoint recomputes up to here
         self.record(call.block.saved, tensor.untyped_storage())
-        return tensor
+        return tensor.detach()
 
     def on_op(self, func, args, kwargs, out, fresh) -> None:
         if not self.stack:

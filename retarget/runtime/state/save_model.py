@@ -183,7 +183,8 @@ def save_model(
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v for k, v in full.items() if k not in tied}
         _write_shards(directory, tensors, limit, safe_serialization, tied)
-        config = getattr(unwrap_model(model), "config", None)
+        # Not unwrap_model: under FSDP unwrapping gathers (a collective) and only rank 0 is here.
+        config = getattr(_peel(model), "config", None)
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
     state.wait_for_everyone()
