@@ -40,8 +40,8 @@ from retarget.accelerate.arguments import (
     project_configuration,
     refuse_unsupported,
     shard_options,
-    with_dynamo,
 )
+from retarget.accelerate.dynamo import dynamo_target
 from retarget.accelerate.example_inputs import example_inputs_for
 from retarget.accelerate.kwargs_handlers import collect_handlers
 from retarget.accelerate.precision_kwargs import AutocastKwargs
@@ -91,6 +91,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Sequence[Any] | None = None,
         dynamo_backend: str | None = None,
+        dynamo_plugin: Any = None,
         *,
         target: Any = None,
         even_batches: bool = True,
@@ -108,7 +109,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
             handlers=handlers,
             world_size=self.state.world_size,
         )
-        self.target = with_dynamo(resolution.target, dynamo_backend)
+        self.target = dynamo_target(resolution.target, dynamo_backend, dynamo_plugin)
         self.target_origin = resolution.origin
         self.gradient_accumulation_steps = accumulation_steps(
             gradient_accumulation_steps, resolution.gradient_accumulation_steps
