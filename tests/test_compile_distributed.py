@@ -1,7 +1,8 @@
 """compile beside distribution on 2 gloo ranks: each target against itself without `compile`.
 
 DDP, FSDP2 (with bf16, zero2, hsdp), a DDP comm hook, gradient accumulation (accumulate and
-no_sync) and checkpoints (save_state / load_state) of a compiled model. The backend is
+no_sync), checkpoints (save_state / load_state) of a compiled model, and Accelerate's loop
+with Accelerator(dynamo_backend="aot_eager"). The backend is
 aot_eager, which runs the same aten ops as the uncompiled graphs: per-step losses and final
 weights are compared with the uncompiled target (measured bitwise equal for all of them, fp32
 and bf16; asserted within 1e-6 for weights and the compile tests' loss tolerance).
@@ -32,6 +33,23 @@ def _relative(a: list[float], b: list[float]) -> float:
 def _compile_summary(model) -> dict:
     (region,) = model.program.regions
     return region.runner.summary()
+
+
+def test_under_fsdp_regions_compile_at_their_first_call_after_sharding():
+    inputs = zoo.lm_inputs()
+    sharded = retarget.compile_for(
+        zoo.tiny_llama(), f"fsdp+{AOT}", example_inputs=inputs, world_size=2
+    )
+    notes = next(r.notes for r in sharded.history if r.name == "compile_regions")
+    assert any("compiles at its first call after sharding" in n for n in notes)
+    assert _compile_summary(sharded)["compiles"] == 0
+    sharded(**inputs)  # one process: the plan is not applied, the region compiles now
+    assert _compile_summary(sharded)["compiles"] == 1
+    # DDP does not re-class the blocks: the pass compiles with the example inputs.
+    replicated = retarget.compile_for(
+        zoo.tiny_llama(), f"ddp+{AOT}", example_inputs=inputs, world_size=2
+    )
+    assert _compile_summary(replicated)["compiles"] == 1
 
 
 def _strategies(rank: int, world: int) -> dict:
@@ -158,3 +176,61 @@ def test_checkpoints_of_a_compiled_model_keep_keys_and_resume_exactly(tmp_path):
             # The same target resumes bit for bit; the uncompiled one too (aot_eager's ops).
             assert got[f"{target}+{AOT}"] == (True, 0.0), (target, got)
             assert got[target] == (True, 0.0), (target, got)
+
+
+def _accelerator(rank: int, world: int, root: str) -> dict:
+    """Accelerate's loop on 2 ranks, dynamo_backend no vs aot_eager: accumulate 2 micro-steps,
+    save_state after the first window, and a fresh Accelerator resumes the second."""
+    from torch.utils.data import DataLoader
+
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randint(0, zoo.VOCAB, (16, zoo.SEQ), generator=gen)
+    samples = [{"input_ids": r, "labels": r} for r in rows]
+
+    def prepared(backend: str):
+        accelerator = retarget.Accelerator(dynamo_backend=backend, gradient_accumulation_steps=2)
+        model = zoo.tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(samples, batch_size=2)
+        return accelerator, *accelerator.prepare(model, optimizer, loader)
+
+    def micro_steps(accelerator, model, optimizer, batches) -> list[float]:
+        losses = []
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    out = {}
+    for backend in ("no", "aot_eager"):
+        accelerator, model, optimizer, loader = prepared(backend)
+        batches = list(loader)  # 4 per rank
+        losses = micro_steps(accelerator, model, optimizer, batches[:2])
+        folder = Path(root) / backend
+        accelerator.save_state(folder)
+        losses += micro_steps(accelerator, model, optimizer, batches[2:])
+        resumed_accelerator, resumed, resumed_optimizer, _ = prepared(backend)
+        resumed_accelerator.load_state(folder)
+        resumed_losses = micro_steps(resumed_accelerator, resumed, resumed_optimizer, batches[2:])
+        out[backend] = {
+            "target": str(accelerator.target),
+            "losses": losses,
+            "weights": full_state(model),
+            "resumed": (resumed_losses == losses[2:], max_difference(resumed, model)),
+            "compiled": "compile (torch.compile" in str(model.report),
+        }
+    return out
+
+
+def test_an_accelerator_with_a_dynamo_backend_on_two_ranks_trains_and_resumes(tmp_path):
+    for out in run_ranks(_accelerator, 2, str(tmp_path), timeout=300):
+        plain, compiled = out["no"], out["aot_eager"]
+        assert (plain["target"], compiled["target"]) == ("ddp", "ddp+compile[backend=aot_eager]")
+        assert compiled["compiled"] and not plain["compiled"]
+        assert _relative(compiled["losses"], plain["losses"]) <= 1e-6
+        assert _max_diff(compiled["weights"], plain["weights"]) <= 1e-6
+        assert plain["resumed"] == compiled["resumed"] == (True, 0.0)
