@@ -1,6 +1,6 @@
 """compile beside distribution on 2 gloo ranks: each target against itself without `compile`.
 
-DDP, FSDP2 (with bf16, zero2, hsdp), a DDP comm hook, gradient accumulation (accumulate and
+DDP, FSDP2 (with bf16, bf16 and checkpointing, zero2, hsdp), a DDP comm hook, gradient accumulation (accumulate and
 no_sync), checkpoints (save_state / load_state) of a compiled model, and Accelerate's loop
 with Accelerator(dynamo_backend="aot_eager"). The backend is
 aot_eager, which runs the same aten ops as the uncompiled graphs: per-step losses and final
@@ -23,7 +23,7 @@ from tests.sharded_training import full_state, lm_batches, loss_of, max_differen
 AOT = "compile[backend=aot_eager]"
 LR = 0.1
 LOSS_RTOL = 1e-5  # tests/test_compile_regions.py's, for bf16; fp32 is asserted to 1e-6
-STRATEGIES = ("ddp", "fsdp+bf16", "zero2", "hsdp", "ddp+bf16-comm")
+STRATEGIES = ("ddp", "fsdp+bf16", "fsdp+bf16+ac", "zero2", "hsdp", "ddp+bf16-comm")
 
 
 def _relative(a: list[float], b: list[float]) -> float:
@@ -90,7 +90,7 @@ def test_each_strategy_with_compile_trains_like_itself_without():
             assert passes.index("compile_regions") < passes.index(shard), passes
         # FSDP re-classes each block: compiling before sharding would be redone at the first
         # step, so regions compile once, after sharding (one graph: batch 2 per rank throughout).
-        for target in ("fsdp+bf16", "zero2", "hsdp"):
+        for target in ("fsdp+bf16", "fsdp+bf16+ac", "zero2", "hsdp"):
             summary = out[target]["compile"]
             assert (summary["compiles"], summary["recompiles"]) == (1, 0), (target, summary)
         assert out["ddp"]["compile"]["recompiles"] == 0
