@@ -1,8 +1,8 @@
 """compile beside distribution on 2 gloo ranks: each target against itself without `compile`.
 
-DDP, FSDP2 (with bf16, bf16 and checkpointing, zero2, hsdp), a DDP comm hook, gradient accumulation (accumulate and
-no_sync), checkpoints (save_state / load_state) of a compiled model, and Accelerate's loop
-with Accelerator(dynamo_backend="aot_eager"). The backend is
+DDP, FSDP2 (with bf16, bf16 and checkpointing, zero2, hsdp), a DDP comm hook, gradient
+accumulation (accumulate and no_sync), checkpoints (save_state / load_state) of a compiled
+model, and Accelerate's loop with Accelerator(dynamo_backend="aot_eager"). The backend is
 aot_eager, which runs the same aten ops as the uncompiled graphs: per-step losses and final
 weights are compared with the uncompiled target (measured bitwise equal for all of them, fp32
 and bf16; asserted within 1e-6 for weights and the compile tests' loss tolerance).

@@ -74,10 +74,26 @@ def test_dynamo_backend_is_the_compile_backend(backend, expected):
     assert target(dynamo_backend=backend) == expected
 
 
-def test_a_dynamo_backend_replaces_the_targets_compile_part():
+def test_a_dynamo_argument_replaces_a_launched_compile_part_and_must_agree_with_target(
+    monkeypatch,
+):
     assert target("ddp+compile[mode=max-autotune]", dynamo_backend="eager") == (
         "ddp+compile[backend=eager]"
     )
+    assert target("ddp+compile", dynamo_backend="no") == "ddp"
+    assert target("ddp+compile", dynamo_backend="inductor", origin="target=") == "ddp+compile"
+    with pytest.raises(retarget.TargetError, match=r"says compile but dynamo_backend='no'.*keep"):
+        target("ddp+compile", dynamo_backend="no", origin="target=")
+    with pytest.raises(retarget.TargetError, match=r"dynamo_plugin asks for compile\[backend="):
+        plugin = TorchDynamoPlugin(backend="eager")
+        target("ddp+compile", dynamo_plugin=plugin, origin="target=")
+    # Through the Accelerator: a launched target's compile part, and an explicit one.
+    monkeypatch.setenv(TARGET_ENV, "single+compile[backend=eager]")
+    assert str(retarget.Accelerator(dynamo_backend="no").target) == "single"
+    assert str(retarget.Accelerator().target) == "single+compile[backend=eager]"
+    monkeypatch.delenv(TARGET_ENV)
+    with pytest.raises(retarget.TargetError, match="keep one"):
+        retarget.Accelerator(target="compile[backend=eager]", dynamo_backend="aot_eager")
 
 
 def test_the_plugin_maps_every_field():

@@ -109,7 +109,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods):
             handlers=handlers,
             world_size=self.state.world_size,
         )
-        self.target = dynamo_target(resolution.target, dynamo_backend, dynamo_plugin)
+        self.target = dynamo_target(
+            resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin
+        )
         self.target_origin = resolution.origin
         self.gradient_accumulation_steps = accumulation_steps(
             gradient_accumulation_steps, resolution.gradient_accumulation_steps

@@ -5,8 +5,9 @@ passing both is an error, and a plugin's unset fields (and the backend when neit
 come from the variables `accelerate launch` exports: ACCELERATE_DYNAMO_BACKEND, _MODE,
 _USE_FULLGRAPH, _USE_DYNAMIC, _USE_REGIONAL_COMPILATION. The plugin becomes the target's compile
 part through target/dynamo_settings.py (the table of what maps to what). A backend passed as an
-argument or in a plugin replaces the target's compile part; one read from the environment alone
-is used only when the target has no compile part (`target=` and $RETARGET_TARGET say more).
+argument or in a plugin replaces the compile part of a launched target ($RETARGET_TARGET; no
+removes it) and must agree with an explicit `target=`, as mixed_precision= does; one read from
+the environment alone is used only when the target has no compile part.
 Accelerate's own TorchDynamoPlugin instances are read field by field, like ours.
 
     >>> accelerator = retarget.Accelerator(dynamo_backend="aot_eager")
@@ -30,7 +31,7 @@ from retarget.target.dynamo_settings import (
     with_compile,
 )
 from retarget.target.errors import ConfigError
-from retarget.target.grammar import Target
+from retarget.target.grammar import Target, TargetError
 
 ENV_PREFIX = "ACCELERATE_DYNAMO_"
 _TRUE = ("y", "yes", "t", "true", "on", "1")
@@ -122,25 +123,39 @@ def dynamo_target(
     target: Target,
     dynamo_backend: Any = None,
     dynamo_plugin: Any = None,
+    *,
+    origin: str = "",
     environ: Mapping[str, str] | None = None,
 ) -> Target:
-    """`target` with the compile part the Accelerator's dynamo arguments (or environment) ask."""
+    """`target` with the compile part the Accelerator's dynamo arguments (or environment) ask.
+
+    An argument replaces the compile part of a launched target (backend no removes it), as
+    Accelerate's argument overrides its launch; it must agree with an explicit `target=`
+    (origin "target=").
+    """
     environ = os.environ if environ is None else environ
     if dynamo_backend is not None and dynamo_plugin is not None:
         raise ValueError(
             "Accelerator: pass dynamo_backend= or dynamo_plugin=, not both (as in Accelerate)"
         )
     if dynamo_plugin is not None:
-        settings = settings_of(dynamo_plugin)
+        settings, given = settings_of(dynamo_plugin), "dynamo_plugin"
     elif dynamo_backend is not None:
         settings = settings_from_environment(environ, backend=dynamo_backend)
+        given = f"dynamo_backend={dynamo_backend!r}"
     elif "compile" in target:  # target= or $RETARGET_TARGET said it: the environment says less
         return target
     else:
         settings = settings_from_environment(environ)
-    if not settings.compiles:
-        return target
-    return with_compile(target, settings.compile_options())
+        return with_compile(target, settings.compile_options()) if settings.compiles else target
+    wanted = with_compile(target, settings.compile_options())
+    if origin == "target=" and "compile" in target and wanted != target:
+        raise TargetError(
+            f"target='{target}' says {target.get('compile')} but {given} asks for "
+            f"{wanted.get('compile') or 'no compile'}: keep one",
+            "compile",
+        )
+    return wanted
 
 
 def _as_bool(name: str, value: str) -> bool:
