@@ -92,9 +92,9 @@ def _compile_part(target: Target, flags: DynamoFlags, given: list[str]) -> Targe
     if backend is not None:
         options["backend"] = backend_word(backend)
     if flags.dynamo_mode is not None:
-        options["mode"] = flags.dynamo_mode
-        if flags.dynamo_mode == DEFAULT_MODE:
-            del options["mode"]
+        options.pop("mode", None)
+        if flags.dynamo_mode != DEFAULT_MODE:
+            options["mode"] = flags.dynamo_mode
     switches = {
         "fullgraph": flags.dynamo_use_fullgraph,
         "dynamic": flags.dynamo_use_dynamic,
