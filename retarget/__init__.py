@@ -41,6 +41,7 @@ _LAZY_NAMES = {
         "retarget.accelerate.process_kwargs",
     ),
     "ProjectConfiguration": "retarget.accelerate.arguments",
+    "TorchDynamoPlugin": "retarget.accelerate.dynamo",
     "init_empty_weights": "retarget.bigmodel.empty_init",
     "init_on_device": "retarget.bigmodel.empty_init",
     "infer_auto_device_map": "retarget.bigmodel.device_map",

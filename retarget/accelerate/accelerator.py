@@ -40,8 +40,8 @@ from retarget.accelerate.arguments import (
     project_configuration,
     refuse_unsupported,
     shard_options,
-    with_dynamo,
 )
+from retarget.accelerate.dynamo import dynamo_target
 from retarget.accelerate.example_inputs import example_inputs_for
 from retarget.accelerate.kwargs_handlers import collect_handlers
 from retarget.accelerate.parity_members import ParityMembers
@@ -94,6 +94,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Sequence[Any] | None = None,
         dynamo_backend: str | None = None,
+        dynamo_plugin: Any = None,
         *,
         target: Any = None,
         even_batches: bool = True,
@@ -112,7 +113,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             handlers=handlers,
             world_size=self.state.world_size,
         )
-        self.target = with_dynamo(resolution.target, dynamo_backend)
+        self.target = dynamo_target(
+            resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin
+        )
         self.target_origin = resolution.origin
         self.state = AcceleratorState.of(
             process,

@@ -1,7 +1,7 @@
 """The Accelerator's arguments beyond the target: read, or refused with the reason.
 
 Accelerate takes many constructor arguments; each one here is mapped (gradient accumulation,
-data sharding, the project folders, dynamo_backend -> the compile part), or refused when it
+data sharding, the project folders; dynamo arguments in dynamo.py), or refused when it
 asks for something retarget does not do.
 """
 
@@ -64,11 +64,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "process, use target='fsdp'",
     ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
-    "dynamo_plugin": (
-        lambda v: v is None,
-        "a TorchDynamoPlugin is not read; write the compile part of the target, "
-        "e.g. target='compile[mode=max-autotune]'",
-    ),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),
     "parallelism_config": (lambda v: v is None, "write the target, e.g. target='hsdp'"),
     "gradient_accumulation_plugin": (
@@ -86,18 +81,6 @@ def refuse_unsupported(**arguments: Any) -> None:
         accepted, why = _REFUSED[name]
         if not accepted(value):
             raise KwargsHandlerError(f"Accelerator({name}={value!r}) cannot be honoured: {why}")
-
-
-def with_dynamo(target: Target, dynamo_backend: Any) -> Target:
-    """`dynamo_backend=` as the compile part (its pass refuses what it cannot run)."""
-    if dynamo_backend is None:
-        return target
-    word = str(getattr(dynamo_backend, "value", dynamo_backend)).strip().lower()
-    if word == "no":
-        return target
-    parts = {p.name: dict(p.options) for p in target.parts}
-    parts["compile"] = {"backend": word}
-    return Target.from_dict(parts)
 
 
 def accumulation_steps(given: int, from_plugin: int | None) -> int:

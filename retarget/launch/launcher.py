@@ -12,7 +12,8 @@ summary below). `--num_processes 1` runs `python train.py ...` directly, no torc
 
 Flags are Accelerate's (`--num_processes`, `--num_machines`, `--machine_rank`,
 `--main_process_ip`, `--main_process_port`, `--mixed_precision`, `--config_file`, also spelled
-with dashes), plus `--target`. Each setting comes from the first of: its flag, the config file
+with dashes), plus `--target` (`--dynamo_*`: the target's compile part, dynamo_flags.py). Each
+setting comes from the first of: its flag, the config file
 (`--config_file`, else `$RETARGET_CONFIG`, else ~/.cache/retarget/default_config.yaml when it
 exists; `retarget.launch.config`), the default. Defaults: 1 process on 1 machine; target
 `single` for one process and `ddp` for more; mixed precision as the target says.
@@ -51,6 +52,7 @@ from retarget.launch.config import (
     read_launch_config,
     read_settings,
 )
+from retarget.launch.dynamo_flags import DynamoFlags, add_dynamo_arguments, with_dynamo_flags
 from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
@@ -117,6 +119,7 @@ def resolve(
     *,
     flags: LaunchConfig | None = None,
     config_file: str | os.PathLike[str] | None = None,
+    dynamo: DynamoFlags | None = None,
 ) -> LaunchPlan:
     """Decide the launch: flags over the config file in effect over defaults; raises LaunchError.
 
@@ -128,7 +131,7 @@ def resolve(
     layers += [read_launch_config(path)] if path else []
     settings = merged(layers)
     processes, machines = settings.num_processes or 1, settings.num_machines or 1
-    target, origin = _target_in_effect(settings, processes)
+    target, origin = with_dynamo_flags(*_target_in_effect(settings, processes), dynamo)
     final = replace(settings, target=target, num_processes=processes, num_machines=machines)
     check_combination(final)
     if machines > 1 and not final.main_process_ip:
@@ -410,6 +413,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="launch settings (ours or an Accelerate config; default: $RETARGET_CONFIG, else "
         "~/.cache/retarget/default_config.yaml if it exists)",
     )
+    add_dynamo_arguments(parser)
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -419,4 +423,7 @@ def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
     flags = read_settings(
         {name: getattr(args, name) for name in SETTINGS}, lambda name: _FLAG_NAMES[name][0]
     )
-    return resolve(args.script, args.script_args, flags=flags, config_file=args.config_file)
+    dynamo = DynamoFlags.of(args)
+    return resolve(
+        args.script, args.script_args, flags=flags, config_file=args.config_file, dynamo=dynamo
+    )

@@ -22,8 +22,11 @@ fullgraph=true|false, scope=regions|whole]`.
 
 Compiling happens at the first call of each signature; with example inputs this pass makes that
 call itself (one forward with grad, RNG and buffers restored), so the report shows compile
-seconds, graphs and graph breaks. A compile that fails runs the uncompiled graph with one
-warning and the reason in the report; fullgraph=true makes it an error naming the region.
+seconds, graphs and graph breaks. Not when FSDP will shard the blocks on more than one process:
+fully_shard re-classes each block and dynamo guards on the class, so that compile would be
+redone at the first step (measured: one recompile per region); regions compile then instead.
+A compile that fails runs the uncompiled graph with one warning and the reason in the report;
+fullgraph=true makes it an error naming the region.
 
 Options that cannot be honoured are refused before anything is compiled: an unregistered
 backend, a mode for a backend other than inductor, reduce-overhead (CUDA graphs) on a model
@@ -45,6 +48,7 @@ from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.compile.compiled_calls import CompileOptions, RegionCompiler
 from retarget.target.grammar import Target
+from retarget.target.strategies import STRATEGY
 
 #: The modes that run CUDA graphs: refused for a model not on CUDA.
 CUDA_GRAPH_MODES = ("reduce-overhead",)
@@ -90,6 +94,11 @@ class CompileRegions(Pass):
         notes = [f"{r.name}: {_how(r)}" for r in regions]
         if program.example is None:
             notes.append("no example_inputs: each region compiles at its first call")
+        elif _resharded_later(program):
+            notes.append(
+                "FSDP re-classes each block when it shards it (after this pass), and dynamo "
+                "guards on the class: each region compiles at its first call after sharding"
+            )
         else:
             _compile_now(program)
         stats = {"backend": options.backend, "mode": options.mode, "scope": options.scope}
@@ -147,6 +156,11 @@ def _refuse_cuda_graphs_off_cuda(program: Program, options: CompileOptions) -> N
 def _whole_capture_note(program: Program) -> str:
     notes = [n for r in program.history if r.name == "capture_regions" for n in r.notes]
     return next((n for n in notes if "whole" in n), "it was captured as regions")
+
+
+def _resharded_later(program: Program) -> bool:
+    """Whether FSDP will shard the blocks: a compile made now would be redone (a guard miss)."""
+    return STRATEGY[program.target.strategy].wrapper == "fsdp" and program.world.size > 1
 
 
 def _compile_now(program: Program) -> None:
