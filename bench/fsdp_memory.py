@@ -32,9 +32,9 @@ def _status(field: str) -> int:
 
 def rank_body(rank: int, world: int) -> dict[str, int]:
     import torch
+    from common import llama
 
     import retarget
-    from common import llama
     from retarget.runtime.process import ProcessState
     from tests.fsdp_memory_ranks import alive_storage_bytes
 

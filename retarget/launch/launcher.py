@@ -38,7 +38,6 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from retarget.core.world import TARGET_ENV
 from retarget.launch.config import (
@@ -53,6 +52,7 @@ from retarget.launch.config import (
     read_settings,
 )
 from retarget.launch.dynamo_flags import DynamoFlags, add_dynamo_arguments, with_dynamo_flags
+from retarget.launch.failures import cause, failure_summary
 from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
@@ -64,7 +64,6 @@ __all__ = ["LaunchPlan", "resolve", "run", "torchrun_args"]
 
 WORKER = Path(__file__).with_name("worker.py")
 MULTI_MACHINE_PORT = 29500  # torchrun's default master port
-_TIME_NS_KEY = "retarget_time_ns"  # worker.TIME_NS_KEY (that file is run, not imported)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,7 +290,7 @@ def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
         torchrun.run(torchrun.parse_args(torchrun_args(plan)))
     except ChildFailedError as failed:
         lines = failure_summary(failed.failures)
-        causes = " ".join(_cause(f, limit=10**6) for f in failed.failures.values()).lower()
+        causes = " ".join(cause(f, limit=10**6) for f in failed.failures.values()).lower()
         if "timed out" in causes or "timeout" in causes:  # a hang: say who stopped moving
             lines += stalled_lines(progress)
         for line in lines:
@@ -317,47 +316,6 @@ def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
         print(f"retarget launch: stopped by {name}", file=sys.stderr)
         return 128 + int(signalled.sigval)
     return 0
-
-
-def failure_summary(failures: Mapping[int, Any]) -> list[str]:
-    """One line per failed rank, the first failure first: `rank 1 failed: ValueError: ...`.
-
-    `failures` maps global rank -> torch's ProcessFailure. The first failure is the earliest
-    recorded exception (nanosecond timestamps from worker), else the earliest observed
-    exit; ranks that torchrun itself stopped with SIGTERM after a failure come last.
-    """
-
-    def order(rank: int) -> tuple[bool, int, int]:
-        failure = failures[rank]
-        recorded = _recorded(failure)
-        stopped = recorded is None and failure.exitcode == -signal.SIGTERM
-        return stopped, recorded[0] if recorded else failure.timestamp * 10**9, rank
-
-    first, *rest = sorted(failures, key=order)
-    lines = [f"rank {first} failed: {_cause(failures[first])}"]
-    lines += [f"rank {rank} stopped after it: {_cause(failures[rank])}" for rank in rest]
-    return lines
-
-
-def _recorded(failure: Any) -> tuple[int, str] | None:
-    """(time_ns, "Type: message") from the rank's error file, when worker.py wrote one."""
-    message = failure.error_file_data.get("message")
-    if not isinstance(message, dict) or _TIME_NS_KEY not in message.get("extraInfo", {}):
-        return None
-    return int(message["extraInfo"][_TIME_NS_KEY]), str(message.get("message", ""))
-
-
-def _cause(failure: Any, limit: int = 300) -> str:
-    recorded = _recorded(failure)
-    if recorded:
-        text = " ".join(recorded[1].split())
-        return text if len(text) <= limit else text[: limit - 3] + "..."
-    if failure.exitcode < 0:
-        return f"killed by {failure.signal_name()}"
-    return (
-        f"exited with code {failure.exitcode} without a Python exception (os._exit or a crash "
-        "in native code: see its output above)"
-    )
 
 
 # ------------------------------------------------------------------------------ command line
