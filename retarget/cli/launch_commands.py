@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 
 from retarget.cli.commands import CliError, Handler, command
-from retarget.launch import env
+from retarget.launch import command_line, env
 from retarget.launch import launcher as launch
 from retarget.launch import questions as config_questions
 from retarget.launch.config import CONFIG_ENV, LaunchError
@@ -21,15 +21,16 @@ from retarget.launch.config import CONFIG_ENV, LaunchError
 @command("launch", "run a training script on N processes (torchrun underneath)")
 def launch_arguments(parser: argparse.ArgumentParser) -> Handler:
     """`retarget launch [--num_processes N] [...] script.py [script args]` (Accelerate's flags)."""
-    launch.add_arguments(parser)
+    command_line.add_arguments(parser)
     return run_launch
 
 
 def run_launch(args: argparse.Namespace) -> int:
     """Decide the launch (a bad setting stops here, exit 2), say what runs, run it."""
     with launch_errors():
-        plan = launch.plan_from_args(args)
-    print(launch.describe(plan), file=sys.stderr, flush=True)
+        plan = command_line.plan_from_args(args)
+    if not args.quiet:
+        print(launch.describe(plan), file=sys.stderr, flush=True)
     return launch.run(plan)
 
 
