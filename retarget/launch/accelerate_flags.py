@@ -205,21 +205,23 @@ def _targets(args: argparse.Namespace) -> tuple[Target | None, Target | None, li
             value = value.split(",")
         data.setdefault(section, {})[key] = value
         keys[f"{section}.{key}"] = f"--{name}"
+        keys[section] = " ".join(filter(None, (keys.get(section), f"--{name}")))
+    if kinds == ["use_deepspeed"]:  # DeepSpeedPlugin's default stage when none is given
+        data.setdefault("deepspeed_config", {}).setdefault("zero_stage", 2)
     mixed = getattr(args, "mixed_precision", None)
     data["mixed_precision"] = mixed or "no"
     data["downcast_bf16"] = bool(getattr(args, "downcast_bf16", None))
     keys.update(mixed_precision="--mixed_precision", downcast_bf16="--downcast_bf16")
-    keys.update(fp8_config="--fp8_* flags")
     try:
         target = read_target_sections(data, "retarget launch")
     except TargetError as error:
-        flag = keys.get(error.part or "", error.part)
+        flag = keys.get(error.part or "") or " ".join(sorted(_given(args)))
         raise LaunchError(f"{flag}: {str(error).split(': ', 2)[-1]}") from None
     given = [f"--{name}" for name in kinds] + sorted(set(keys.values()) & _given(args))
     if kinds:
         return target, None, given
     if "fp8_config" in data or data["downcast_bf16"]:
-        return None, _precision_parts(target), given
+        return None, _precision_parts(target), [g for g in given if g != "--mixed_precision"]
     return None, None, []
 
 
