@@ -295,6 +295,10 @@ def test_module_and_program_run_on_2_processes(tmp_path):
     assert [(row["rank"], row["world"], row["rank_sum"]) for row in rows] == [(0, 2, 1), (1, 2, 1)]
     assert all(row["name"] == "__main__" and row["argv"] == ["--lr", "3"] for row in rows)
     assert all(row["path0"] == str(REPO) for row in rows)  # python -m: the cwd first
+    done = retarget_launch("-m", "tests.scripts.print_rank", home=tmp_path)  # run directly
+    assert done.returncode == 0, done.stderr
+    (row,) = seen(done.stdout)
+    assert (row["world"], row["name"], row["torchrun"]) == (1, "__main__", False)
     done = retarget_launch(
         "--num_processes", "2", "--no_python", "sh", "-c", "echo RANK=$RANK", home=tmp_path
     )
