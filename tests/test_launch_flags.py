@@ -174,6 +174,19 @@ def test_flags_mean_what_the_same_yaml_keys_mean(script, tmp_path):
     assert from_flags.target == from_file.target
 
 
+def test_distribution_flags_replace_the_files_target_and_keep_its_precision(script, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("target: fsdp\nmixed_precision: bf16\nnum_processes: 2\n")
+    on = ("--config_file", str(config))
+    assert str(plan(*on, "--multi_gpu", script=script).target) == "ddp+bf16"  # as Accelerate
+    whole = tmp_path / "whole.yaml"  # a target is taken whole, as `--target ddp` over it
+    whole.write_text("target: fsdp+bf16\n")
+    assert str(plan("--config_file", str(whole), "--multi_gpu", script=script).target) == "ddp"
+    assert str(plan(*on, "--multi_gpu", "--mixed_precision", "no", script=script).target) == "ddp"
+    fp8 = plan(*on, "--use_fsdp", "--mixed_precision", "fp8", "--fp8_margin", "2", script=script)
+    assert str(fp8.target) == "fsdp+bf16+fp8[margin=2]"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -87,11 +87,13 @@ def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
         {name: getattr(args, name) for name in SETTINGS}, lambda name: _FLAG_NAMES[name][0]
     )
     accelerate = AccelerateFlags.of(args)
-    if accelerate.target is not None:  # the distribution flags say the target, precision read in
+    if accelerate.target is not None:  # the distribution flags say the target, precision in it
         if flags.target is not None:
             raise LaunchError(f"--target and {accelerate.given[0]} both say the target; keep one")
         origins = {**flags.origins, "target": " ".join(accelerate.given)}
-        flags = replace(flags, target=accelerate.target, mixed_precision=None, origins=origins)
+        # --mixed_precision stays: it agrees with the target's parts, and an explicit `no` must
+        # win over a config file's precision when merged.
+        flags = replace(flags, target=accelerate.target, origins=origins)
     if args.module and args.no_python:
         raise LaunchError("-m/--module and --no_python both given; keep one")
     run_as = "module" if args.module else "program" if args.no_python else "script"
