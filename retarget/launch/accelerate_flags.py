@@ -125,6 +125,13 @@ TORCHRUN_FLAGS = {
 }
 
 
+#: Integer flags exported to the script: name -> the variable.
+_EXPORTED = {
+    "gradient_accumulation_steps": ACCUMULATION_ENV,
+    "num_cpu_threads_per_process": "OMP_NUM_THREADS",
+}
+
+
 def _spellings(name: str, short: str | None = None) -> list[str]:
     dashed = f"--{name.replace('_', '-')}"
     return [f"--{name}", *([dashed] if "_" in name else []), *([short] if short else [])]
@@ -133,10 +140,9 @@ def _spellings(name: str, short: str | None = None) -> list[str]:
 def add_accelerate_arguments(parser: argparse.ArgumentParser) -> None:
     """Every Accelerate launch flag not added by launcher.py or dynamo_flags.py."""
     switch = {"action": "store_true", "default": None}
-    for name in _DISTRIBUTIONS:
-        parser.add_argument(
-            *_spellings(name), dest=name, help=f"as in Accelerate: {name}", **switch
-        )
+    for name, kind in _DISTRIBUTIONS.items():
+        help_text = f"distributed_type {kind}; its options (--fsdp_*, --zero_stage) as in the YAML"
+        parser.add_argument(*_spellings(name), dest=name, help=help_text, **switch)
     for name in (*_SECTION_SWITCHES, "downcast_bf16", "same_network", "debug"):
         parser.add_argument(*_spellings(name), dest=name, help=argparse.SUPPRESS, **switch)
     parser.add_argument("-q", "--quiet", action="store_true", help="no launch line")
@@ -146,8 +152,10 @@ def add_accelerate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name in _SECTION_FLAGS:
         parser.add_argument(*_spellings(name), dest=name, metavar="VALUE", help=argparse.SUPPRESS)
-    for name in ("gradient_accumulation_steps", "num_cpu_threads_per_process"):
-        parser.add_argument(*_spellings(name), dest=name, type=int, metavar="N")
+    for name, exported in _EXPORTED.items():
+        parser.add_argument(
+            *_spellings(name), dest=name, type=int, metavar="N", help=f"exported as {exported}"
+        )
     for name, (short, metavar, help_text) in TORCHRUN_FLAGS.items():
         parser.add_argument(*_spellings(name, short), dest=name, metavar=metavar, help=help_text)
     for name, (valued, _) in REFUSED.items():
@@ -256,16 +264,12 @@ def _torchrun(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
-    steps = getattr(args, "gradient_accumulation_steps", None)
-    if steps is not None:
-        if steps < 1:
-            raise LaunchError(f"--gradient_accumulation_steps is {steps}; it must be >= 1")
-        env[ACCUMULATION_ENV] = str(steps)
-    threads = getattr(args, "num_cpu_threads_per_process", None)
-    if threads is not None:
-        if threads < 1:
-            raise LaunchError(f"--num_cpu_threads_per_process is {threads}; it must be >= 1")
-        env["OMP_NUM_THREADS"] = str(threads)
+    for name, exported in _EXPORTED.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            if value < 1:
+                raise LaunchError(f"--{name} is {value}; it must be >= 1")
+            env[exported] = str(value)
     if getattr(args, "debug", None):  # retarget's collectives always check shapes across ranks
         env[DEBUG_ENV] = "true"
     return env
