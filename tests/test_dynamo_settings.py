@@ -14,8 +14,8 @@ from retarget.accelerate.dynamo import ENV_PREFIX, TorchDynamoPlugin, dynamo_tar
 from retarget.accelerate.kwargs_base import KwargsHandlerError
 from retarget.cli.main import build_parser
 from retarget.core.world import TARGET_ENV
+from retarget.launch.command_line import plan_from_args
 from retarget.launch.config import CONFIG_ENV, LaunchError
-from retarget.launch.launcher import plan_from_args
 from retarget.target.dynamo_settings import DynamoSettings, with_compile
 from retarget.target.grammar import Target
 from tests import zoo

@@ -21,11 +21,11 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from retarget.cli.main import build_parser, main
 from retarget.core.world import TARGET_ENV, launched_target
 from retarget.launch import worker as launch_worker
+from retarget.launch.command_line import plan_from_args
 from retarget.launch.config import CONFIG_ENV, LaunchConfig, read_settings
 from retarget.launch.failures import failure_summary
 from retarget.launch.launcher import (
     WORKER,
-    plan_from_args,
     resolve,
     torchrun_args,
     worker_env,

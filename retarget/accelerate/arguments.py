@@ -8,6 +8,7 @@ asks for something retarget does not do.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from retarget.accelerate.kwargs_base import KwargsHandlerError
+from retarget.core.world import ACCUMULATION_ENV
 from retarget.runtime.state.checkpoint import ProjectConfig
 from retarget.target.grammar import Target
 from retarget.target.strategies import FSDP_STRATEGIES
@@ -84,7 +86,16 @@ def refuse_unsupported(**arguments: Any) -> None:
 
 
 def accumulation_steps(given: int, from_plugin: int | None) -> int:
-    """gradient_accumulation_steps=, or a DeepSpeed plugin's when only that one is set."""
+    """gradient_accumulation_steps=, or a DeepSpeed plugin's when only that one is set.
+
+    Left at 1 in code, it is $ACCELERATE_GRADIENT_ACCUMULATION_STEPS when set (as Accelerate:
+    `retarget launch --gradient_accumulation_steps N` exports it).
+    """
+    from_env = os.environ.get(ACCUMULATION_ENV, "").strip()
+    if given == 1 and from_env:
+        if not from_env.isdigit() or int(from_env) < 1:
+            raise ValueError(f"${ACCUMULATION_ENV}={from_env!r} must be an integer >= 1")
+        given = int(from_env)
     if not isinstance(given, int) or isinstance(given, bool) or given < 1:
         raise ValueError(f"gradient_accumulation_steps={given!r} must be an integer >= 1")
     if from_plugin is None or from_plugin == given:

@@ -19,6 +19,8 @@ from retarget.target.grammar import Target, TargetError, parse_target
 
 #: The variable that carries the target in effect to a script `retarget launch` started.
 TARGET_ENV = "RETARGET_TARGET"
+#: Accumulation steps `retarget launch --gradient_accumulation_steps` exports (Accelerate's name).
+ACCUMULATION_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
 
 @dataclass(frozen=True, kw_only=True)

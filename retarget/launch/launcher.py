@@ -12,7 +12,8 @@ summary below). `--num_processes 1` runs `python train.py ...` directly, no torc
 
 Flags are Accelerate's (`--num_processes`, `--num_machines`, `--machine_rank`,
 `--main_process_ip`, `--main_process_port`, `--mixed_precision`, `--config_file`, also spelled
-with dashes), plus `--target` (`--dynamo_*`: the target's compile part, dynamo_flags.py). Each
+with dashes), plus `--target` (`--dynamo_*`: the target's compile part, dynamo_flags.py; the
+rest of Accelerate's flags: accelerate_flags.py; the parser: command_line.py). Each
 setting comes from the first of: its flag, the config file
 (`--config_file`, else `$RETARGET_CONFIG`, else ~/.cache/retarget/default_config.yaml when it
 exists; `retarget.launch.config`), the default. Defaults: 1 process on 1 machine; target
@@ -28,7 +29,6 @@ collective, and the launcher ends with `rank 1 failed: ValueError: ...` and exit
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -36,31 +36,29 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from retarget.core.world import TARGET_ENV
+from retarget.launch.accelerate_flags import AccelerateFlags, with_precision_flags
 from retarget.launch.config import (
-    RDZV_BACKENDS,
-    SETTINGS,
     LaunchConfig,
     LaunchError,
     check_combination,
     config_in_effect,
     merged,
     read_launch_config,
-    read_settings,
 )
-from retarget.launch.dynamo_flags import DynamoFlags, add_dynamo_arguments, with_dynamo_flags
+from retarget.launch.dynamo_flags import DynamoFlags, with_dynamo_flags
 from retarget.launch.failures import cause, failure_summary
 from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.launch.slurm import slurm_settings
 from retarget.target.grammar import Target
-from retarget.target.precisions import MIXED_PRECISION, with_precision
+from retarget.target.precisions import with_precision
 
-__all__ = ["LaunchPlan", "resolve", "run", "torchrun_args"]
+__all__ = ["LaunchPlan", "rank_command", "resolve", "run", "torchrun_args"]
 
 WORKER = Path(__file__).with_name("worker.py")
 MULTI_MACHINE_PORT = 29500  # torchrun's default master port
@@ -101,6 +99,12 @@ class LaunchPlan:
     """The config file read, if any."""
     derived: str = ""
     """What was derived from the environment (a SLURM allocation), for the launch line."""
+    run_as: str = "script"
+    """How a rank starts `script`: "script" (python), "module" (python -m), "program" (as is)."""
+    torchrun_options: tuple[str, ...] = ()
+    """torchrun flags passed through (--tee, --log_dir, --role, --monitor_interval, --rdzv_conf)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """More variables for the script (Accelerate's, e.g. ACCELERATE_GRADIENT_ACCUMULATION_STEPS)."""
 
     @property
     def nproc_per_node(self) -> int:
@@ -119,6 +123,8 @@ def resolve(
     flags: LaunchConfig | None = None,
     config_file: str | os.PathLike[str] | None = None,
     dynamo: DynamoFlags | None = None,
+    accelerate: AccelerateFlags | None = None,
+    run_as: str = "script",
 ) -> LaunchPlan:
     """Decide the launch: flags over the config file in effect over defaults; raises LaunchError.
 
@@ -131,6 +137,7 @@ def resolve(
     settings = merged(layers)
     processes, machines = settings.num_processes or 1, settings.num_machines or 1
     target, origin = with_dynamo_flags(*_target_in_effect(settings, processes), dynamo)
+    target, origin = with_precision_flags(target, origin, accelerate)
     final = replace(settings, target=target, num_processes=processes, num_machines=machines)
     check_combination(final)
     if machines > 1 and not final.main_process_ip:
@@ -138,7 +145,7 @@ def resolve(
             f"{final.origin('num_machines')} is {machines}: set --main_process_ip (or "
             "main_process_ip in the config file) to the address of the rank-0 machine"
         )
-    if not Path(script).is_file():
+    if run_as == "script" and not Path(script).is_file():
         raise LaunchError(f"script {script!r} does not exist (or is not a file)")
     port = final.main_process_port or (_free_port() if machines == 1 else MULTI_MACHINE_PORT)
     hosts_store = (final.machine_rank or 0) == 0 and (final.rdzv_backend or "static") == "static"
@@ -163,6 +170,9 @@ def resolve(
         gpu_ids=None if final.gpu_ids in (None, "all") else final.gpu_ids,
         config_file=None if path is None else str(path),
         derived=slurm[1] if slurm else "",
+        run_as=run_as,
+        torchrun_options=accelerate.torchrun if accelerate else (),
+        env=dict(accelerate.env) if accelerate else {},
     )
 
 
@@ -200,16 +210,31 @@ def torchrun_args(plan: LaunchPlan) -> list[str]:
         args += ["--rdzv_backend", plan.rdzv_backend, "--rdzv_endpoint", endpoint]
     if plan.max_restarts:
         args += ["--max_restarts", str(plan.max_restarts)]
+    passed = list(plan.torchrun_options)
     if plan.num_machines > 1:  # static reads `timeout`, c10d `join_timeout`
-        args += ["--rdzv_conf", f"timeout={plan.join_timeout},join_timeout={plan.join_timeout}"]
+        conf = f"timeout={plan.join_timeout},join_timeout={plan.join_timeout}"
+        if "--rdzv_conf" in passed:  # the user's keys after ours: theirs win
+            at = passed.index("--rdzv_conf") + 1
+            passed[at] = f"{conf},{passed[at]}"
+        else:
+            passed += ["--rdzv_conf", conf]
+    args += passed
     # --no_python: torchrun runs `python -u worker.py script args` as each rank's command.
-    args += ["--no_python", sys.executable, "-u", str(WORKER), plan.script, *plan.script_args]
+    args += ["--no_python", *rank_command(plan)]
     return args
+
+
+def rank_command(plan: LaunchPlan) -> list[str]:
+    """What each rank runs: the worker around the script or module, or the program itself."""
+    if plan.run_as == "program":
+        return [plan.script, *plan.script_args]
+    module = ["-m"] if plan.run_as == "module" else []
+    return [sys.executable, "-u", str(WORKER), *module, plan.script, *plan.script_args]
 
 
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
     """Variables the script's processes get on top of the launcher's environment."""
-    env = {TARGET_ENV: str(plan.target)}
+    env = {**plan.env, TARGET_ENV: str(plan.target)}
     if plan.use_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif plan.gpu_ids is not None:
@@ -266,7 +291,8 @@ def _exit_code(returncode: int) -> int:
 
 
 def _run_direct(plan: LaunchPlan) -> int:
-    process = subprocess.Popen([sys.executable, plan.script, *plan.script_args])
+    how = {"script": [sys.executable], "module": [sys.executable, "-m"], "program": []}
+    process = subprocess.Popen([*how[plan.run_as], plan.script, *plan.script_args])
     # Ctrl-C reaches the script from the terminal too: wait for it to finish, do not orphan it.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.terminate())
     try:
@@ -316,72 +342,3 @@ def _run_torchrun(plan: LaunchPlan, stopped: Path, progress: Path) -> int:
         print(f"retarget launch: stopped by {name}", file=sys.stderr)
         return 128 + int(signalled.sigval)
     return 0
-
-
-# ------------------------------------------------------------------------------ command line
-#: Flag spellings per setting (Accelerate's names; each also with dashes).
-_FLAG_NAMES = {name: (f"--{name}",) for name in SETTINGS}
-_FLAG_NAMES.update(use_cpu=("--cpu", "--use_cpu"))
-#: Per setting: metavar and help.
-_FLAG_HELP = {
-    "target": ("SPEC", "target spec, e.g. fsdp+bf16 (default: single for 1 process, else ddp)"),
-    "num_processes": ("N", "processes over all machines (default 1)"),
-    "num_machines": ("M", "machines taking part (default 1)"),
-    "machine_rank": ("R", "this machine's rank, 0 .. M-1 (default 0)"),
-    "main_process_ip": (
-        "IP",
-        "address of the rank-0 machine (default 127.0.0.1; needed for M > 1)",
-    ),
-    "main_process_port": ("PORT", "its port (default: a free port on one machine, else 29500)"),
-    "mixed_precision": ("|".join(MIXED_PRECISION), "replaces the target's precision parts"),
-    "use_cpu": (None, "hide accelerators from the script (CUDA_VISIBLE_DEVICES='')"),
-    "gpu_ids": ("IDS", "devices of this machine to use, e.g. 0,1 (default all)"),
-    "rdzv_backend": (
-        "|".join(RDZV_BACKENDS),
-        "torchrun rendezvous (default static)",
-    ),
-    "max_restarts": (
-        "N",
-        "restart every rank up to N times after one fails (default 0); the script resumes "
-        "with resume_from_latest / load_state",
-    ),
-    "join_timeout": (
-        "SECONDS",
-        f"how long a machine waits for the main machine to answer (default "
-        f"{DEFAULT_JOIN_TIMEOUT_S})",
-    ),
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `retarget launch` flags, then the script and its untouched arguments."""
-    for name, spellings in _FLAG_NAMES.items():
-        names = [*spellings, *(s.replace("_", "-") for s in spellings if "_" in s)]
-        metavar, help_text = _FLAG_HELP[name]
-        if metavar is None:
-            parser.add_argument(
-                *names, dest=name, action="store_true", default=None, help=help_text
-            )
-        else:
-            parser.add_argument(*names, dest=name, metavar=metavar, help=help_text)
-    parser.add_argument(
-        "--config_file",
-        "--config-file",
-        metavar="FILE",
-        help="launch settings (ours or an Accelerate config; default: $RETARGET_CONFIG, else "
-        "~/.cache/retarget/default_config.yaml if it exists)",
-    )
-    add_dynamo_arguments(parser)
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-
-
-def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
-    """The plan for parsed `retarget launch` arguments; raises LaunchError."""
-    flags = read_settings(
-        {name: getattr(args, name) for name in SETTINGS}, lambda name: _FLAG_NAMES[name][0]
-    )
-    dynamo = DynamoFlags.of(args)
-    return resolve(
-        args.script, args.script_args, flags=flags, config_file=args.config_file, dynamo=dynamo
-    )

@@ -90,10 +90,13 @@ def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        sys.exit("usage: worker.py SCRIPT [ARGS...]")
-    script = os.path.abspath(argv[0])
+        sys.exit("usage: worker.py [-m MODULE | SCRIPT] [ARGS...]")
+    module = argv[0] == "-m"  # `-m pkg.mod args`: run as `python -m` (the cwd first on sys.path)
+    if module:
+        argv = argv[1:]
+    script = argv[0] if module else os.path.abspath(argv[0])
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)
+    sys.path[0] = os.getcwd() if module else os.path.dirname(script)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     folder = os.environ.get(PROGRESS_DIR_ENV)
     if folder:
@@ -104,7 +107,10 @@ def main(argv: list[str]) -> None:
         )
         reporter.start()
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             record_failure(exit_, error_file)
