@@ -3,12 +3,19 @@ unsupported names and values that cannot be recorded are refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
 
-from retarget.accelerate.tracker_set import TrackerSet, resolve_log_with
+from retarget.accelerate.tracker_set import (
+    TRACKERS,
+    UNSUPPORTED_TRACKERS,
+    TrackerSet,
+    resolve_log_with,
+)
 from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
 
@@ -114,16 +121,29 @@ def test_blank_tracker_on_a_process_without_trackers(tmp_path):
         trackers.get("wandb")
 
 
-@pytest.mark.parametrize("name", ["wandb", "mlflow", "comet_ml"])
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_TRACKERS))
 def test_unsupported_tracker_named_with_the_way_out(name):
-    with pytest.raises(ValueError, match=rf"log_with='{name}' is not supported.*GeneralTracker"):
+    reason = UNSUPPORTED_TRACKERS[name].split(" (")[0]
+    with pytest.raises(ValueError, match=rf"log_with='{name}' is not supported: it needs {reason}"):
         resolve_log_with(name)
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "tensorboard"])
+def test_tracker_without_its_package_is_refused_and_left_out_of_all(name, monkeypatch):
+    package = TRACKERS[name][1]
+    monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package looks like
+    with pytest.raises(ValueError, match=rf"log_with='{name}' needs the {package} package"):
+        resolve_log_with(name)
+    assert name not in resolve_log_with("all") and "jsonl" in resolve_log_with("all")
 
 
 def test_unknown_tracker_and_all():
     with pytest.raises(ValueError, match="'tensorbord' is not a tracker"):
         resolve_log_with("tensorbord")
-    assert resolve_log_with(["all", "jsonl"]) == ["tensorboard", "jsonl"]
+    installed = [
+        n for n, (_, package) in TRACKERS.items() if importlib.util.find_spec(package or "json")
+    ]
+    assert resolve_log_with(["all", "jsonl"]) == installed
 
 
 def test_file_trackers_need_a_directory():

@@ -1,30 +1,44 @@
 """An Accelerator's trackers: `log_with` read into tracker names and instances, and the set of
 trackers each process creates, feeds and closes (named ones on the main process only).
 
-Accelerate's tracker names that need services retarget does not ship are refused by name.
+A named tracker whose package is not installed, and Accelerate's tracker names that retarget
+does not wire in, are refused by name with the reason; "all" is every named tracker whose
+package is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from retarget.accelerate.trackers import TRACKERS, GeneralTracker
+from retarget.accelerate.library_trackers import MLflowTracker, WandBTracker
+from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
-__all__ = ["UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
+__all__ = ["TRACKERS", "UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
 
-#: Accelerate's tracker names that retarget does not ship, with what each would need.
-UNSUPPORTED_TRACKERS = {
-    "wandb": "the Weights & Biases service",
-    "comet_ml": "the Comet service",
-    "aim": "an Aim repository server",
-    "mlflow": "an MLflow tracking server",
-    "clearml": "the ClearML service",
-    "dvclive": "DVC",
-    "swanlab": "the SwanLab service",
-    "trackio": "the Trackio service",
+#: The trackers `log_with` can name, with the package each needs (None: nothing beyond torch).
+TRACKERS: dict[str, tuple[type[GeneralTracker], str | None]] = {
+    "tensorboard": (TensorBoardTracker, "tensorboard"),
+    "jsonl": (JSONLinesTracker, None),
+    "wandb": (WandBTracker, "wandb"),
+    "mlflow": (MLflowTracker, "mlflow"),
 }
+
+#: Accelerate's tracker names that retarget does not wire in, with why.
+UNSUPPORTED_TRACKERS = {
+    "comet_ml": "the Comet service (its offline mode is not wired into retarget)",
+    "aim": "an Aim repository and its native aimrocks package (not wired into retarget)",
+    "clearml": "a ClearML server (its offline mode is not wired into retarget)",
+    "dvclive": "DVC, dozens of packages (not wired into retarget)",
+    "swanlab": "the SwanLab service, and its package pins an older protobuf",
+    "trackio": "the Trackio service (not wired into retarget)",
+}
+
+
+def _installed(package: str | None) -> bool:
+    return package is None or importlib.util.find_spec(package) is not None
 
 
 class _BlankTracker(GeneralTracker):
@@ -59,7 +73,8 @@ def _is_tracker(obj: Any) -> bool:
 def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
     """`log_with` as a list of tracker names and instances; unknown or unsupported names raise.
 
-    "all" means every tracker retarget ships (tensorboard when installed, jsonl).
+    "all" means every named tracker whose package is installed; a tracker named on its own
+    whose package is missing raises saying what to install.
     """
     if log_with is None:
         return []
@@ -71,14 +86,20 @@ def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
             continue
         name = _tracker_name(item)
         if name == "all":
-            resolved += [n for n in TRACKERS if n != "tensorboard" or _has_tensorboard()]
+            resolved += [n for n, (_, package) in TRACKERS.items() if _installed(package)]
         elif name in TRACKERS:
+            package = TRACKERS[name][1]
+            if not _installed(package):
+                raise ValueError(
+                    f"log_with={name!r} needs the {package} package, which is not installed: "
+                    "pip install 'retarget[trackers]'"
+                )
             resolved.append(name)
         elif name in UNSUPPORTED_TRACKERS:
             raise ValueError(
-                f"log_with={name!r} is not supported: it needs {UNSUPPORTED_TRACKERS[name]}, "
-                f"which retarget does not ship. Use {' or '.join(map(repr, TRACKERS))}, or pass "
-                "an instance of a GeneralTracker subclass that wraps it"
+                f"log_with={name!r} is not supported: it needs {UNSUPPORTED_TRACKERS[name]}. "
+                f"Use {', '.join(map(repr, TRACKERS))}, or pass an instance of a "
+                "GeneralTracker subclass that wraps it"
             )
         else:
             raise ValueError(
@@ -87,14 +108,6 @@ def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
             )
     names = [r for r in resolved if isinstance(r, str)]
     return [r for i, r in enumerate(resolved) if not isinstance(r, str) or r not in names[:i]]
-
-
-def _has_tensorboard() -> bool:
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class TrackerSet:
@@ -114,7 +127,9 @@ class TrackerSet:
         self.trackers: list[Any] = []
         # Instances were built by the caller with their own paths; named trackers need ours.
         needs_dir = [
-            s for s in self.specs if isinstance(s, str) and TRACKERS[s].requires_logging_directory
+            s
+            for s in self.specs
+            if isinstance(s, str) and TRACKERS[s][0].requires_logging_directory
         ]
         if needs_dir and logging_dir is None:
             raise ValueError(
@@ -139,8 +154,7 @@ class TrackerSet:
         for spec in self.specs:
             if isinstance(spec, str):
                 if self.is_main_process:
-                    kwargs = init_kwargs.get(spec, {})
-                    self.trackers.append(TRACKERS[spec](project_name, self.logging_dir, **kwargs))
+                    self.trackers.append(self._create(spec, project_name, init_kwargs))
             elif self.is_main_process or not getattr(spec, "main_process_only", True):
                 self.trackers.append(spec)
         for tracker in self.trackers:
@@ -148,6 +162,13 @@ class TrackerSet:
         if config is not None:
             for tracker in self.trackers:
                 tracker.store_init_configuration(config)
+
+    def _create(self, name: str, project_name: str, init_kwargs: Mapping[str, Any]) -> Any:
+        # As Accelerate: only trackers that write under the logging directory are given it.
+        tracker_class, kwargs = TRACKERS[name][0], init_kwargs.get(name, {})
+        if tracker_class.requires_logging_directory:
+            return tracker_class(project_name, self.logging_dir, **kwargs)
+        return tracker_class(project_name, **kwargs)
 
     def log(
         self,
