@@ -9,12 +9,12 @@ never when retarget is: a bare `pip install retarget` does without them.
     >>> accelerator.init_trackers(
     ...     "mnist", config={"lr": 1e-3},
     ...     init_kwargs={"wandb": {"mode": "offline", "dir": "runs"},
-    ...                  "mlflow": {"tracking_uri": "file:runs/mlruns"}})
+    ...                  "mlflow": {"run_name": "first"}})
 
 Offline use: wandb runs without a server in `mode="offline"` (or WANDB_MODE=offline) and keeps
 the run under `<dir>/wandb/offline-run-*` for `wandb sync`; MLflow needs no server with a
-`file:` or `sqlite:` tracking URI (recent MLflow asks for MLFLOW_ALLOW_FILE_STORE=true before it
-opens a `file:` store).
+`file:` or `sqlite:` MLFLOW_TRACKING_URI (recent MLflow asks for MLFLOW_ALLOW_FILE_STORE=true
+before it opens a `file:` store).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class MLflowTracker(GeneralTracker):
     """An MLflow run in experiment `experiment_name` (the project name), made on start.
 
     Keyword arguments are Accelerate's (`logging_dir` is the experiment's artifact location,
-    `run_id` resumes a run; `tags`, `nested_run`, `run_name`, `description`) plus `tracking_uri`,
-    set with `mlflow.set_tracking_uri` before the run starts (else MLflow's own default,
-    MLFLOW_TRACKING_URI). Metrics are numbers: a dict logs one metric per entry as `key/entry`;
+    `run_id` resumes a run; `tags`, `nested_run`, `run_name`, `description`); where the run is
+    stored is MLflow's own setting (MLFLOW_TRACKING_URI or `mlflow.set_tracking_uri`). Metrics
+    are numbers: a dict logs one metric per entry as `key/entry`;
     a string raises (log text with `mlflow.log_text`). Parameters longer than MLflow accepts
     raise naming the key. The `tracker` is the mlflow ActiveRun.
     """
@@ -131,7 +131,6 @@ class MLflowTracker(GeneralTracker):
         experiment_name: str,
         logging_dir: str | os.PathLike[str] | None = None,
         *,
-        tracking_uri: str | None = None,
         run_id: str | None = None,
         tags: Mapping[str, Any] | None = None,
         nested_run: bool = False,
@@ -142,7 +141,7 @@ class MLflowTracker(GeneralTracker):
         self._mlflow = _import("mlflow", self.name)
         self.experiment_name = experiment_name
         self.logging_dir = None if logging_dir is None else str(logging_dir)
-        self.tracking_uri, self.run_id, self.tags = tracking_uri, run_id, dict(tags or {})
+        self.run_id, self.tags = run_id, dict(tags or {})
         self.nested_run, self.run_name, self.description = nested_run, run_name, description
         self.active_run: Any = None
 
@@ -153,8 +152,6 @@ class MLflowTracker(GeneralTracker):
 
     def start(self) -> None:
         mlflow = self._mlflow
-        if self.tracking_uri is not None:
-            mlflow.set_tracking_uri(self.tracking_uri)
         experiment = mlflow.get_experiment_by_name(self.experiment_name)
         if experiment is not None:
             experiment_id = experiment.experiment_id
