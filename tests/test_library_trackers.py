@@ -3,13 +3,14 @@ libraries' own formats and clients; log_with="all" feeds every installed tracker
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 
 import pytest
 import torch
 
-from retarget.accelerate.tracker_set import TRACKERS, TrackerSet, resolve_log_with
+from retarget.accelerate.tracker_set import TrackerSet, resolve_log_with
 
 
 def wandb_records(run_dir):
@@ -36,6 +37,16 @@ def wandb_records(run_dir):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+def offline_run_dir(wandb_dir, run_id):
+    """The folder of offline run `run_id`, once wandb's service has written it out: Run.finish
+    returns before the service flushes the .wandb file, and teardown waits for it."""
+    import wandb
+
+    wandb.teardown()
+    (run_dir,) = (wandb_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    return run_dir
 
 
 def wandb_history_and_config(run_dir):
@@ -96,7 +107,7 @@ def test_wandb_offline_run_holds_logged_values_and_config(offline_wandb):
     run = trackers.get("wandb", unwrap=True)
     assert run.settings.mode == "offline" and run.project == "proj"
     trackers.finish()
-    (run_dir,) = (offline_wandb / "wandb").glob(f"offline-run-*-{run.id}")
+    run_dir = offline_run_dir(offline_wandb, run.id)
     history, config = wandb_history_and_config(run_dir)
     assert config == {"lr": 0.1, "epochs": 2}
     assert history == [
@@ -114,7 +125,7 @@ def test_wandb_table_and_values_it_cannot_record(offline_wandb):
     tracker.log_table("samples", columns=["x", "y"], data=[[1, "a"], [2, "b"]], step=0)
     run_id = tracker.tracker.id
     trackers.finish()
-    (run_dir,) = (offline_wandb / "wandb").glob(f"offline-run-*-{run_id}")
+    run_dir = offline_run_dir(offline_wandb, run_id)
     history, _ = wandb_history_and_config(run_dir)
     assert len(history) == 1 and history[0]["samples/_type"] == "table-file"
     table_file = run_dir / "files" / history[0]["samples/path"]
@@ -171,16 +182,18 @@ def test_only_the_main_process_logs_to_library_trackers(offline_wandb, file_mlfl
     assert trackers.get("wandb").tracker is None and list(tmp_path.iterdir()) == []
 
 
-def test_all_feeds_every_installed_tracker(tmp_path, monkeypatch, request):
-    names = resolve_log_with("all")
-    if "wandb" in names:
+def test_all_feeds_every_installed_tracker_told_where_to_log(tmp_path, monkeypatch, request):
+    installed = {n for n in ("wandb", "mlflow") if importlib.util.find_spec(n)}
+    if "wandb" in installed:
         import wandb
 
         go_offline(wandb, tmp_path, monkeypatch)
         request.addfinalizer(wandb.teardown)
-    if "mlflow" in names:
+    if "mlflow" in installed:
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    names = resolve_log_with("all")
+    assert set(names) == {"tensorboard", "jsonl"} | installed
     trackers = TrackerSet("all", tmp_path, is_main_process=True)
     trackers.init("proj", config={"lr": 0.1})
     trackers.log({"loss": 0.5}, step=1)
@@ -191,7 +204,7 @@ def test_all_feeds_every_installed_tracker(tmp_path, monkeypatch, request):
     if "tensorboard" in names:
         assert list((tmp_path / "proj").glob("events.out.tfevents.*"))
     if "wandb" in names:
-        (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{handles['wandb'].id}")
+        run_dir = offline_run_dir(tmp_path, handles["wandb"].id)
         assert wandb_history_and_config(run_dir)[0] == [{"loss": 0.5, "_step": 1}]
     if "mlflow" in names:
         from mlflow import MlflowClient
@@ -199,4 +212,20 @@ def test_all_feeds_every_installed_tracker(tmp_path, monkeypatch, request):
         client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
         run = client.get_run(handles["mlflow"].info.run_id)
         assert run.data.metrics == {"loss": 0.5} and run.data.params == {"lr": "0.1"}
-    assert set(names) >= {"jsonl"} and set(names) <= set(TRACKERS)
+
+
+def test_accelerator_logs_to_wandb_and_mlflow(offline_wandb, file_mlflow):
+    from mlflow import MlflowClient
+
+    from retarget import Accelerator
+
+    accelerator = Accelerator(log_with=["wandb", "mlflow"])
+    accelerator.init_trackers("proj", config={"lr": 0.5})
+    accelerator.log({"loss": torch.tensor(1.25)}, step=2)
+    run = accelerator.get_tracker("wandb", unwrap=True)
+    mlflow_run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    accelerator.end_training()
+    run_dir = offline_run_dir(offline_wandb, run.id)
+    assert wandb_history_and_config(run_dir) == ([{"loss": 1.25, "_step": 2}], {"lr": 0.5})
+    logged = MlflowClient(tracking_uri=file_mlflow).get_run(mlflow_run_id).data
+    assert (logged.metrics, logged.params) == ({"loss": 1.25}, {"lr": "0.5"})

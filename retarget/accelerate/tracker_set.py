@@ -2,8 +2,8 @@
 trackers each process creates, feeds and closes (named ones on the main process only).
 
 A named tracker whose package is not installed, and Accelerate's tracker names that retarget
-does not wire in, are refused by name with the reason; "all" is every named tracker whose
-package is installed.
+does not wire in, are refused by name with the reason; "all" is every named tracker that can
+run here.
 """
 
 from __future__ import annotations
@@ -41,6 +41,17 @@ def _installed(package: str | None) -> bool:
     return package is None or importlib.util.find_spec(package) is not None
 
 
+def _told_where_to_log(name: str) -> bool:
+    # "all" must not stall a script on a login prompt or write where nobody asked: wandb joins
+    # when it runs offline or has a key, MLflow when it has a tracking URI.
+    if name == "wandb":
+        mode = os.environ.get("WANDB_MODE", "").lower()
+        return mode in ("offline", "dryrun", "disabled") or bool(os.environ.get("WANDB_API_KEY"))
+    if name == "mlflow":
+        return bool(os.environ.get("MLFLOW_TRACKING_URI"))
+    return True
+
+
 class _BlankTracker(GeneralTracker):
     """What get_tracker returns on a process that holds no trackers: every call does nothing."""
 
@@ -73,8 +84,9 @@ def _is_tracker(obj: Any) -> bool:
 def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
     """`log_with` as a list of tracker names and instances; unknown or unsupported names raise.
 
-    "all" means every named tracker whose package is installed; a tracker named on its own
-    whose package is missing raises saying what to install.
+    "all" means every named tracker that can run here: its package is installed and, for wandb
+    and MLflow, the environment says where to log (WANDB_MODE=offline or WANDB_API_KEY;
+    MLFLOW_TRACKING_URI). A tracker named on its own whose package is missing raises.
     """
     if log_with is None:
         return []
@@ -86,7 +98,9 @@ def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
             continue
         name = _tracker_name(item)
         if name == "all":
-            resolved += [n for n, (_, package) in TRACKERS.items() if _installed(package)]
+            resolved += [
+                n for n, (_, pkg) in TRACKERS.items() if _installed(pkg) and _told_where_to_log(n)
+            ]
         elif name in TRACKERS:
             package = TRACKERS[name][1]
             if not _installed(package):
