@@ -4,6 +4,7 @@ unsupported names and values that cannot be recorded are refused by name."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -171,3 +172,10 @@ def test_subclass_missing_its_contract():
 
     with pytest.raises(NotImplementedError, match="requires_logging_directory, tracker"):
         Incomplete()
+
+
+def test_tracker_packages_are_imported_only_when_a_tracker_is_made():
+    # A bare `pip install retarget` has neither package: importing retarget must not need them.
+    probe = "import sys, retarget; print(sorted({'wandb', 'mlflow'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -12,9 +12,10 @@ never when retarget is: a bare `pip install retarget` does without them.
     ...                  "mlflow": {"run_name": "first"}})
 
 Offline use: wandb runs without a server in `mode="offline"` (or WANDB_MODE=offline) and keeps
-the run under `<dir>/wandb/offline-run-*` for `wandb sync`; MLflow needs no server with a
-`file:` or `sqlite:` MLFLOW_TRACKING_URI (recent MLflow asks for MLFLOW_ALLOW_FILE_STORE=true
-before it opens a `file:` store).
+the run under `<dir>/wandb/offline-run-*` for `wandb sync` (its service may still be writing
+the .wandb file after Run.finish returns: `wandb.teardown()` waits for it). MLflow needs no
+server with a `file:` or `sqlite:` MLFLOW_TRACKING_URI (recent MLflow asks for
+MLFLOW_ALLOW_FILE_STORE=true before it opens a `file:` store).
 """
 
 from __future__ import annotations
