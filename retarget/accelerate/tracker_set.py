@@ -29,7 +29,7 @@ TRACKERS: dict[str, tuple[type[GeneralTracker], str | None]] = {
 #: Accelerate's tracker names that retarget does not wire in, with why.
 UNSUPPORTED_TRACKERS = {
     "comet_ml": "the Comet service (its offline mode is not wired into retarget)",
-    "aim": "an Aim repository and its native aimrocks package (not wired into retarget)",
+    "aim": "an Aim repository (not wired into retarget; aim 3.29 also downgrades filelock)",
     "clearml": "a ClearML server (its offline mode is not wired into retarget)",
     "dvclive": "DVC, dozens of packages (not wired into retarget)",
     "swanlab": "the SwanLab service, and its package pins an older protobuf",
