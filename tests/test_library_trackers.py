@@ -1,11 +1,12 @@
-"""wandb (offline) and MLflow (local file store) runs hold what was logged, read back with the
-libraries' own formats and clients; log_with="all" feeds every installed tracker."""
+"""wandb (offline), MLflow (local file store) and Comet (offline) runs hold what was logged, read
+back with the libraries' own formats and clients; log_with="all" feeds every installed tracker."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import struct
+import zipfile
 
 import pytest
 import torch
@@ -84,6 +85,23 @@ def offline_wandb(tmp_path, monkeypatch):
     go_offline(wandb, tmp_path, monkeypatch)
     yield tmp_path
     wandb.teardown()
+
+
+def comet_messages(folder):
+    """{message type: [payload]} of the one offline experiment zipped under `folder`."""
+    (path,) = folder.glob("*.zip")
+    messages: dict[str, list] = {}
+    with zipfile.ZipFile(path) as archive:
+        for line in archive.read("messages.json").decode().splitlines():
+            message = json.loads(line)
+            messages.setdefault(message["type"], []).append(message["payload"])
+    return messages
+
+
+def comet_offline(folder, monkeypatch):
+    monkeypatch.setenv("COMET_START_ONLINE", "false")
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(folder))
+    monkeypatch.setenv("COMET_DISABLE_AUTO_LOGGING", "1")
 
 
 @pytest.fixture
@@ -183,7 +201,9 @@ def test_only_the_main_process_logs_to_library_trackers(offline_wandb, file_mlfl
 
 
 def test_all_feeds_every_installed_tracker_told_where_to_log(tmp_path, monkeypatch, request):
-    installed = {n for n in ("wandb", "mlflow") if importlib.util.find_spec(n)}
+    installed = {n for n in ("wandb", "mlflow", "comet_ml") if importlib.util.find_spec(n)}
+    if "comet_ml" in installed:
+        comet_offline(tmp_path / "comet", monkeypatch)
     if "wandb" in installed:
         import wandb
 
@@ -212,6 +232,10 @@ def test_all_feeds_every_installed_tracker_told_where_to_log(tmp_path, monkeypat
         client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
         run = client.get_run(handles["mlflow"].info.run_id)
         assert run.data.metrics == {"loss": 0.5} and run.data.params == {"lr": "0.1"}
+    if "comet_ml" in names:
+        metrics = comet_messages(tmp_path / "comet")["metric_msg"]
+        named = [(m["metric"]["metricName"], m["metric"]["metricValue"]) for m in metrics]
+        assert [m for m in named if not m[0].startswith("sys.")] == [("loss", 0.5)]
 
 
 def test_accelerator_logs_to_wandb_and_mlflow(offline_wandb, file_mlflow):
@@ -229,3 +253,26 @@ def test_accelerator_logs_to_wandb_and_mlflow(offline_wandb, file_mlflow):
     assert wandb_history_and_config(run_dir) == ([{"loss": 1.25, "_step": 2}], {"lr": 0.5})
     logged = MlflowClient(tracking_uri=file_mlflow).get_run(mlflow_run_id).data
     assert (logged.metrics, logged.params) == ({"loss": 1.25}, {"lr": "0.5"})
+
+
+def test_comet_offline_experiment_holds_metrics_params_and_others(tmp_path, monkeypatch):
+    pytest.importorskip("comet_ml", reason="comet_ml is not installed: pip install comet_ml")
+    comet_offline(tmp_path, monkeypatch)
+    trackers = TrackerSet("comet_ml", None, is_main_process=True)
+    trackers.init("proj", config={"lr": 0.1, "epochs": 2})
+    trackers.log({"loss": torch.tensor(1.5), "group": {"a": 2}}, step=0)
+    trackers.log({"loss": 1.0, "phase": "eval"}, step=1)
+    assert type(trackers.get("comet_ml", unwrap=True)).__name__ == "OfflineExperiment"
+    trackers.finish()
+    messages = comet_messages(tmp_path)
+    params = {p["param"]["paramName"]: p["param"]["paramValue"] for p in messages["parameter_msg"]}
+    assert params["lr"] == 0.1 and params["epochs"] == 2
+    metrics = [
+        (m["metric"]["metricName"], m["metric"]["step"], m["metric"]["metricValue"])
+        for m in messages["metric_msg"]
+        if not m["metric"]["metricName"].startswith("sys.")
+    ]
+    assert metrics == [("loss", 0, 1.5), ("group/a", 0, 2), ("loss", 1, 1.0)]
+    assert {"key": "phase", "value": "eval"} in [
+        {k: o[k] for k in ("key", "value")} for o in messages["log_other"]
+    ]

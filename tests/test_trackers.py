@@ -128,7 +128,7 @@ def test_unsupported_tracker_named_with_the_way_out(name):
         resolve_log_with(name)
 
 
-@pytest.mark.parametrize("name", ["wandb", "mlflow", "tensorboard"])
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "comet_ml", "tensorboard"])
 def test_tracker_without_its_package_is_refused_and_left_out_of_all(name, monkeypatch):
     package = TRACKERS[name][1]
     monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package looks like
@@ -140,9 +140,10 @@ def test_tracker_without_its_package_is_refused_and_left_out_of_all(name, monkey
 def test_unknown_tracker_and_all(monkeypatch):
     with pytest.raises(ValueError, match="'tensorbord' is not a tracker"):
         resolve_log_with("tensorbord")
-    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "COMET_START_ONLINE"):
         monkeypatch.delenv(name, raising=False)
-    # wandb and MLflow join "all" only when told where to log (test_library_trackers.py).
+    monkeypatch.delenv("COMET_API_KEY", raising=False)
+    # wandb, MLflow and Comet join "all" only when told where to log (test_library_trackers.py).
     assert resolve_log_with(["all", "jsonl"]) == ["tensorboard", "jsonl"]
 
 
@@ -175,7 +176,7 @@ def test_subclass_missing_its_contract():
 
 
 def test_tracker_packages_are_imported_only_when_a_tracker_is_made():
-    # A bare `pip install retarget` has neither package: importing retarget must not need them.
-    probe = "import sys, retarget; print(sorted({'wandb', 'mlflow'} & set(sys.modules)))"
+    # A bare `pip install retarget` has none of them: importing retarget must not need them.
+    probe = "import sys, retarget; print(sorted({'wandb', 'mlflow', 'comet_ml'} & {*sys.modules}))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Trackers that log through their own libraries: Weights & Biases and MLflow.
+"""Trackers that log through their own libraries: Weights & Biases, MLflow and Comet.
 
 Both follow Accelerate's tracker of the same name (its init kwargs, its `tracker` object, its
 log_images/log_table for wandb), but a value the service cannot record raises naming its key
@@ -15,7 +15,9 @@ Offline use: wandb runs without a server in `mode="offline"` (or WANDB_MODE=offl
 the run under `<dir>/wandb/offline-run-*` for `wandb sync` (its service may still be writing
 the .wandb file after Run.finish returns: `wandb.teardown()` waits for it). MLflow needs no
 server with a `file:` or `sqlite:` MLFLOW_TRACKING_URI (recent MLflow asks for
-MLFLOW_ALLOW_FILE_STORE=true before it opens a `file:` store).
+MLFLOW_ALLOW_FILE_STORE=true before it opens a `file:` store). Comet runs offline with
+COMET_START_ONLINE=false (or `online=False`) and writes a zip under COMET_OFFLINE_DIRECTORY for
+`comet upload`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from retarget.accelerate.trackers import GeneralTracker, plain_value
 
-__all__ = ["MLflowTracker", "WandBTracker"]
+__all__ = ["CometMLTracker", "MLflowTracker", "WandBTracker"]
 
 
 def _import(package: str, tracker: str) -> Any:
@@ -207,3 +209,54 @@ def _metric(key: str, value: Any) -> float:
             "numbers (log text through the run: mlflow.log_text)"
         )
     return float(plain)
+
+
+class CometMLTracker(GeneralTracker):
+    """A Comet experiment: `comet_ml.start(project_name=run_name, **kwargs)` on the main process.
+
+    Numbers are metrics (a dict logs each entry as `key/entry`), strings go to `log_other`,
+    the configuration to `log_parameters`. The `tracker` is the comet Experiment (an
+    OfflineExperiment when offline).
+    """
+
+    name = "comet_ml"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self._comet = _import("comet_ml", self.name)
+        self.writer: Any = None
+
+    @property
+    def tracker(self) -> Any:
+        """The comet Experiment (None before start)."""
+        return self.writer
+
+    def start(self) -> None:
+        self.writer = self._comet.start(project_name=self.run_name, **self.init_kwargs)
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        self.writer.log_parameters({str(k): plain_value(str(k), v) for k, v in values.items()})
+
+    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """`values` at `step`; kwargs go to `log_metric` / `log_other`."""
+        if step is not None:
+            self.writer.set_step(step)
+        for key, value in values.items():
+            group = value if isinstance(value, Mapping) else {None: value}
+            for sub, item in group.items():
+                name = str(key) if sub is None else f"{key}/{sub}"
+                plain = plain_value(name, item)
+                if isinstance(plain, str):
+                    self.writer.log_other(name, plain, **kwargs)
+                elif plain is None:
+                    raise TypeError(f"cannot log {name!r} to Comet: None is not a metric")
+                else:
+                    self.writer.log_metric(name, plain, step=step, **kwargs)
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.end()
+            self.writer = None

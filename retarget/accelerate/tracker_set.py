@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from retarget.accelerate.library_trackers import MLflowTracker, WandBTracker
+from retarget.accelerate.library_trackers import CometMLTracker, MLflowTracker, WandBTracker
 from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
 __all__ = ["TRACKERS", "UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
@@ -24,11 +24,11 @@ TRACKERS: dict[str, tuple[type[GeneralTracker], str | None]] = {
     "jsonl": (JSONLinesTracker, None),
     "wandb": (WandBTracker, "wandb"),
     "mlflow": (MLflowTracker, "mlflow"),
+    "comet_ml": (CometMLTracker, "comet_ml"),
 }
 
 #: Accelerate's tracker names that retarget does not wire in, with why.
 UNSUPPORTED_TRACKERS = {
-    "comet_ml": "the Comet service (its offline mode is not wired into retarget)",
     "aim": "an Aim repository (not wired into retarget; aim 3.29 also downgrades filelock)",
     "clearml": "a ClearML server (its offline mode is not wired into retarget)",
     "dvclive": "DVC, dozens of packages (not wired into retarget)",
@@ -43,10 +43,13 @@ def _installed(package: str | None) -> bool:
 
 def _told_where_to_log(name: str) -> bool:
     # "all" must not stall a script on a login prompt or write where nobody asked: wandb joins
-    # when it runs offline or has a key, MLflow when it has a tracking URI.
+    # when it runs offline or has a key, MLflow when it has a tracking URI, Comet when offline
+    # or with a key.
+    env = {k: v.lower() for k, v in os.environ.items() if k.startswith(("WANDB_", "COMET_"))}
     if name == "wandb":
-        mode = os.environ.get("WANDB_MODE", "").lower()
-        return mode in ("offline", "dryrun", "disabled") or bool(os.environ.get("WANDB_API_KEY"))
+        return env.get("WANDB_MODE") in ("offline", "dryrun", "disabled") or "WANDB_API_KEY" in env
+    if name == "comet_ml":
+        return env.get("COMET_START_ONLINE") in ("false", "0") or "COMET_API_KEY" in env
     if name == "mlflow":
         return bool(os.environ.get("MLFLOW_TRACKING_URI"))
     return True
@@ -84,9 +87,10 @@ def _is_tracker(obj: Any) -> bool:
 def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
     """`log_with` as a list of tracker names and instances; unknown or unsupported names raise.
 
-    "all" means every named tracker that can run here: its package is installed and, for wandb
-    and MLflow, the environment says where to log (WANDB_MODE=offline or WANDB_API_KEY;
-    MLFLOW_TRACKING_URI). A tracker named on its own whose package is missing raises.
+    "all" means every named tracker that can run here: its package is installed and, for wandb,
+    MLflow and Comet, the environment says where to log (WANDB_MODE=offline or WANDB_API_KEY;
+    MLFLOW_TRACKING_URI; COMET_START_ONLINE=false or COMET_API_KEY). A tracker named on its
+    own whose package is missing raises.
     """
     if log_with is None:
         return []
