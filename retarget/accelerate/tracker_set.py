@@ -30,7 +30,8 @@ TRACKERS: dict[str, tuple[type[GeneralTracker], str | None]] = {
 #: Accelerate's tracker names that retarget does not wire in, with why.
 UNSUPPORTED_TRACKERS = {
     "aim": "an Aim repository (not wired into retarget; aim 3.29 also downgrades filelock)",
-    "clearml": "a ClearML server (its offline mode is not wired into retarget)",
+    "clearml": "a ClearML server (its offline mode is not wired into retarget: Task.init patches "
+    "torch process-wide)",
     "dvclive": "DVC, dozens of packages (not wired into retarget)",
     "swanlab": "the SwanLab service, and its package pins an older protobuf",
     "trackio": "the Trackio service (not wired into retarget)",
