@@ -157,7 +157,9 @@ def test_mlflow_file_store_holds_metrics_and_params(file_mlflow, tmp_path):
     trackers.init(
         "proj",
         config={"lr": 0.1, "epochs": 2},
-        init_kwargs={"mlflow": {"run_name": "first", "tags": {"team": "a"}}},
+        init_kwargs={
+            "mlflow": {"run_name": "first", "tags": {"team": "a"}, "logging_dir": tmp_path / "art"}
+        },
     )
     for step, loss in enumerate([1.5, 1.0]):
         trackers.log({"loss": torch.tensor(loss), "group": {"a": step}}, step=step)
@@ -168,7 +170,8 @@ def test_mlflow_file_store_holds_metrics_and_params(file_mlflow, tmp_path):
     client = MlflowClient(tracking_uri=file_mlflow)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "first"
-    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == "proj" and experiment.artifact_location.endswith("/art")
     assert run.data.params == {"lr": "0.1", "epochs": "2"} and run.data.tags["team"] == "a"
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
         (0, 1.5),
@@ -276,3 +279,17 @@ def test_comet_offline_experiment_holds_metrics_params_and_others(tmp_path, monk
     assert {"key": "phase", "value": "eval"} in [
         {k: o[k] for k in ("key", "value")} for o in messages["log_other"]
     ]
+
+
+def test_wandb_log_images(offline_wandb):
+    np = pytest.importorskip("numpy")
+    trackers = TrackerSet("wandb", None, is_main_process=True)
+    trackers.init("proj")
+    image = np.zeros((4, 4, 3), dtype=np.uint8)
+    trackers.get("wandb").log_images({"samples": [image, image + 255]}, step=3)
+    run_id = trackers.get("wandb", unwrap=True).id
+    trackers.finish()
+    run_dir = offline_run_dir(offline_wandb, run_id)
+    (row,) = wandb_history_and_config(run_dir)[0]
+    assert row["samples/_type"] == "images/separated" and row["samples/count"] == 2
+    assert row["_step"] == 3 and len(list(run_dir.glob("files/media/images/samples_*.png"))) == 2
