@@ -100,12 +100,29 @@ def check_inspect_text() -> None:
         assert name in result.stdout, f"`retarget inspect` names no {name}:\n{result.stdout}"
 
 
+def check_trackers(folder: Path) -> None:
+    """log_with="all" is the JSON lines tracker alone; wandb is refused with what to install."""
+    accelerator = retarget.Accelerator(log_with="all", project_dir=folder)
+    accelerator.init_trackers("run", config={"lr": 0.1})
+    accelerator.log({"loss": 1.0}, step=1)
+    accelerator.end_training()
+    assert accelerator.log_with == ["jsonl"], accelerator.log_with
+    assert (folder / "run" / "log.jsonl").read_text().count("\n") == 1
+    try:
+        retarget.Accelerator(log_with="wandb")
+    except ValueError as err:
+        assert "pip install 'retarget[trackers]'" in str(err), err
+    else:
+        raise AssertionError("log_with='wandb' was accepted without the wandb package")
+
+
 def main() -> None:
     check_installed_copy()
     check_compile_and_train()
     with tempfile.TemporaryDirectory() as folder:
         check_accelerator_state(Path(folder) / "state")
         check_utils(Path(folder) / "weights")
+        check_trackers(Path(folder) / "logs")
     check_inspect_text()
     print(f"bare install smoke: ok (retarget {retarget.__version__}, torch {torch.__version__})")
 

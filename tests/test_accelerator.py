@@ -103,7 +103,7 @@ def accelerate_project(**fields):
         ({"rng_types": ["torch"]}, KwargsHandlerError, "rng_types=\\['torch'\\]\\) cannot be"),
         ({"device_placement": False}, KwargsHandlerError, "places the model and every batch"),
         ({"gradient_accumulation_plugin": object()}, KwargsHandlerError, "gradient_accumulation_"),
-        ({"log_with": "wandb"}, ValueError, "log_with='wandb' is not supported"),
+        ({"log_with": "clearml"}, ValueError, "log_with='clearml' is not supported"),
         ({"log_with": "tensorboard"}, ValueError, "writes files but no logging directory"),
         ({"gradient_accumulation_steps": 0}, ValueError, "must be an integer >= 1"),
         (

@@ -4,11 +4,18 @@ unsupported names and values that cannot be recorded are refused by name."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from retarget.accelerate.tracker_set import TrackerSet, resolve_log_with
+from retarget.accelerate.tracker_set import (
+    TRACKERS,
+    UNSUPPORTED_TRACKERS,
+    TrackerSet,
+    resolve_log_with,
+)
 from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
 
@@ -114,15 +121,29 @@ def test_blank_tracker_on_a_process_without_trackers(tmp_path):
         trackers.get("wandb")
 
 
-@pytest.mark.parametrize("name", ["wandb", "mlflow", "comet_ml"])
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_TRACKERS))
 def test_unsupported_tracker_named_with_the_way_out(name):
-    with pytest.raises(ValueError, match=rf"log_with='{name}' is not supported.*GeneralTracker"):
+    reason = UNSUPPORTED_TRACKERS[name].split(" (")[0]
+    with pytest.raises(ValueError, match=rf"log_with='{name}' is not supported: it needs {reason}"):
         resolve_log_with(name)
 
 
-def test_unknown_tracker_and_all():
+@pytest.mark.parametrize("name", ["wandb", "mlflow", "comet_ml", "tensorboard"])
+def test_tracker_without_its_package_is_refused_and_left_out_of_all(name, monkeypatch):
+    package = TRACKERS[name][1]
+    monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package looks like
+    with pytest.raises(ValueError, match=rf"log_with='{name}' needs the {package} package"):
+        resolve_log_with(name)
+    assert name not in resolve_log_with("all") and "jsonl" in resolve_log_with("all")
+
+
+def test_unknown_tracker_and_all(monkeypatch):
     with pytest.raises(ValueError, match="'tensorbord' is not a tracker"):
         resolve_log_with("tensorbord")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "COMET_START_ONLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("COMET_API_KEY", raising=False)
+    # wandb, MLflow and Comet join "all" only when told where to log (test_library_trackers.py).
     assert resolve_log_with(["all", "jsonl"]) == ["tensorboard", "jsonl"]
 
 
@@ -152,3 +173,10 @@ def test_subclass_missing_its_contract():
 
     with pytest.raises(NotImplementedError, match="requires_logging_directory, tracker"):
         Incomplete()
+
+
+def test_tracker_packages_are_imported_only_when_a_tracker_is_made():
+    # A bare `pip install retarget` has none of them: importing retarget must not need them.
+    probe = "import sys, retarget; print(sorted({'wandb', 'mlflow', 'comet_ml'} & {*sys.modules}))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,30 +1,59 @@
 """An Accelerator's trackers: `log_with` read into tracker names and instances, and the set of
 trackers each process creates, feeds and closes (named ones on the main process only).
 
-Accelerate's tracker names that need services retarget does not ship are refused by name.
+A named tracker whose package is not installed, and Accelerate's tracker names that retarget
+does not wire in, are refused by name with the reason; "all" is every named tracker that can
+run here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from retarget.accelerate.trackers import TRACKERS, GeneralTracker
+from retarget.accelerate.library_trackers import CometMLTracker, MLflowTracker, WandBTracker
+from retarget.accelerate.trackers import GeneralTracker, JSONLinesTracker, TensorBoardTracker
 
-__all__ = ["UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
+__all__ = ["TRACKERS", "UNSUPPORTED_TRACKERS", "TrackerSet", "resolve_log_with"]
 
-#: Accelerate's tracker names that retarget does not ship, with what each would need.
-UNSUPPORTED_TRACKERS = {
-    "wandb": "the Weights & Biases service",
-    "comet_ml": "the Comet service",
-    "aim": "an Aim repository server",
-    "mlflow": "an MLflow tracking server",
-    "clearml": "the ClearML service",
-    "dvclive": "DVC",
-    "swanlab": "the SwanLab service",
-    "trackio": "the Trackio service",
+#: The trackers `log_with` can name, with the package each needs (None: nothing beyond torch).
+TRACKERS: dict[str, tuple[type[GeneralTracker], str | None]] = {
+    "tensorboard": (TensorBoardTracker, "tensorboard"),
+    "jsonl": (JSONLinesTracker, None),
+    "wandb": (WandBTracker, "wandb"),
+    "mlflow": (MLflowTracker, "mlflow"),
+    "comet_ml": (CometMLTracker, "comet_ml"),
 }
+
+#: Accelerate's tracker names that retarget does not wire in, with why.
+UNSUPPORTED_TRACKERS = {
+    "aim": "an Aim repository (not wired into retarget; aim 3.29 also downgrades filelock)",
+    "clearml": "a ClearML server (its offline mode is not wired into retarget: Task.init patches "
+    "torch process-wide)",
+    "dvclive": "DVC, dozens of packages (not wired into retarget)",
+    "swanlab": "the SwanLab service, and its package pins an older protobuf",
+    "trackio": "the Trackio service (not wired into retarget)",
+}
+
+
+def _installed(package: str | None) -> bool:
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+def _told_where_to_log(name: str) -> bool:
+    # "all" must not stall a script on a login prompt or write where nobody asked: wandb joins
+    # when it runs offline or has a key, MLflow when it has a tracking URI, Comet when offline
+    # or with a key.
+    env = {k: v.lower() for k, v in os.environ.items() if k.startswith(("WANDB_", "COMET_"))}
+    if name == "wandb":
+        return env.get("WANDB_MODE") in ("offline", "dryrun", "disabled") or "WANDB_API_KEY" in env
+    if name == "comet_ml":
+        return env.get("COMET_START_ONLINE") in ("false", "0") or "COMET_API_KEY" in env
+    if name == "mlflow":
+        return bool(os.environ.get("MLFLOW_TRACKING_URI"))
+    return True
 
 
 class _BlankTracker(GeneralTracker):
@@ -59,7 +88,10 @@ def _is_tracker(obj: Any) -> bool:
 def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
     """`log_with` as a list of tracker names and instances; unknown or unsupported names raise.
 
-    "all" means every tracker retarget ships (tensorboard when installed, jsonl).
+    "all" means every named tracker that can run here: its package is installed and, for wandb,
+    MLflow and Comet, the environment says where to log (WANDB_MODE=offline or WANDB_API_KEY;
+    MLFLOW_TRACKING_URI; COMET_START_ONLINE=false or COMET_API_KEY). A tracker named on its
+    own whose package is missing raises.
     """
     if log_with is None:
         return []
@@ -71,14 +103,22 @@ def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
             continue
         name = _tracker_name(item)
         if name == "all":
-            resolved += [n for n in TRACKERS if n != "tensorboard" or _has_tensorboard()]
+            resolved += [
+                n for n, (_, pkg) in TRACKERS.items() if _installed(pkg) and _told_where_to_log(n)
+            ]
         elif name in TRACKERS:
+            package = TRACKERS[name][1]
+            if not _installed(package):
+                raise ValueError(
+                    f"log_with={name!r} needs the {package} package, which is not installed: "
+                    "pip install 'retarget[trackers]'"
+                )
             resolved.append(name)
         elif name in UNSUPPORTED_TRACKERS:
             raise ValueError(
-                f"log_with={name!r} is not supported: it needs {UNSUPPORTED_TRACKERS[name]}, "
-                f"which retarget does not ship. Use {' or '.join(map(repr, TRACKERS))}, or pass "
-                "an instance of a GeneralTracker subclass that wraps it"
+                f"log_with={name!r} is not supported: it needs {UNSUPPORTED_TRACKERS[name]}. "
+                f"Use {', '.join(map(repr, TRACKERS))}, or pass an instance of a "
+                "GeneralTracker subclass that wraps it"
             )
         else:
             raise ValueError(
@@ -87,14 +127,6 @@ def resolve_log_with(log_with: Any) -> list[str | GeneralTracker]:
             )
     names = [r for r in resolved if isinstance(r, str)]
     return [r for i, r in enumerate(resolved) if not isinstance(r, str) or r not in names[:i]]
-
-
-def _has_tensorboard() -> bool:
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class TrackerSet:
@@ -114,7 +146,9 @@ class TrackerSet:
         self.trackers: list[Any] = []
         # Instances were built by the caller with their own paths; named trackers need ours.
         needs_dir = [
-            s for s in self.specs if isinstance(s, str) and TRACKERS[s].requires_logging_directory
+            s
+            for s in self.specs
+            if isinstance(s, str) and TRACKERS[s][0].requires_logging_directory
         ]
         if needs_dir and logging_dir is None:
             raise ValueError(
@@ -139,8 +173,7 @@ class TrackerSet:
         for spec in self.specs:
             if isinstance(spec, str):
                 if self.is_main_process:
-                    kwargs = init_kwargs.get(spec, {})
-                    self.trackers.append(TRACKERS[spec](project_name, self.logging_dir, **kwargs))
+                    self.trackers.append(self._create(spec, project_name, init_kwargs))
             elif self.is_main_process or not getattr(spec, "main_process_only", True):
                 self.trackers.append(spec)
         for tracker in self.trackers:
@@ -148,6 +181,13 @@ class TrackerSet:
         if config is not None:
             for tracker in self.trackers:
                 tracker.store_init_configuration(config)
+
+    def _create(self, name: str, project_name: str, init_kwargs: Mapping[str, Any]) -> Any:
+        # As Accelerate: only trackers that write under the logging directory are given it.
+        tracker_class, kwargs = TRACKERS[name][0], init_kwargs.get(name, {})
+        if tracker_class.requires_logging_directory:
+            return tracker_class(project_name, self.logging_dir, **kwargs)
+        return tracker_class(project_name, **kwargs)
 
     def log(
         self,

@@ -12,11 +12,10 @@ has a `name`, says whether it `requires_logging_directory`, and implements `star
 
 Unlike Accelerate, a value a tracker cannot record is an error naming its key, never dropped:
 a one-element tensor is logged as its number (Accelerate's TensorBoard tracker silently skips
-tensors), and a list or an arbitrary object raises. Trackers that need services we do not ship
-(wandb, mlflow, ...) are refused by name; wrap them in a `GeneralTracker` subclass instead.
+tensors), and a list or an arbitrary object raises.
 
-This module holds the contract and the trackers we ship; tracker_set.py reads `log_with` and
-runs an Accelerator's trackers.
+This module holds the contract and the file trackers; library_trackers.py holds wandb and
+MLflow; tracker_set.py names them all, reads `log_with` and runs an Accelerator's trackers.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRACKERS", "GeneralTracker", "JSONLinesTracker", "TensorBoardTracker", "plain_value"]
+__all__ = ["GeneralTracker", "JSONLinesTracker", "TensorBoardTracker", "plain_value"]
 
 
 class GeneralTracker:
@@ -219,10 +218,3 @@ class TensorBoardTracker(GeneralTracker):
     def finish(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-#: The trackers `log_with` can name.
-TRACKERS: dict[str, type[GeneralTracker]] = {
-    "tensorboard": TensorBoardTracker,
-    "jsonl": JSONLinesTracker,
-}
