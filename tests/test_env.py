@@ -3,6 +3,7 @@ effect, as a Markdown list; a broken config is shown with its error, never fails
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 from importlib import metadata
@@ -42,6 +43,8 @@ def test_versions_platform_and_devices(capsys):
     for optional in ("transformer_engine", "msamp"):
         assert optional in items  # a version or "not installed", never missing
     assert items["CPUs"].split()[0] == str(os.cpu_count())
+    if importlib.util.find_spec("torch_xla") is None:  # tests/test_xla.py checks the device line
+        assert items["torch-xla"] == "not installed" and "XLA devices" not in items
     assert items["CUDA available"].startswith("yes" if torch.cuda.is_available() else "no")
     if not torch.cuda.is_available():
         assert items["GPUs"] == "none"

@@ -173,3 +173,12 @@ def test_without_torch_xla_the_target_is_refused_saying_how_to_install():
         retarget.compile_for(_mlp(), "xla", example_inputs=(torch.randn(2, 8),))
     with pytest.raises(TargetNotSupportedError, match=r"constraints-xla\.txt"):
         retarget.compile_for(_mlp(), "xla[spmd=false]+bf16", example_inputs=(torch.randn(2, 8),))
+
+
+@needs_xla
+def test_retarget_env_lists_the_xla_devices():
+    from retarget.launch.env import env_report
+
+    lines = env_report().splitlines()
+    assert "- XLA devices: 4 (CPU)" in lines, lines
+    assert any(line.startswith("- torch-xla: 2.") for line in lines)

@@ -19,6 +19,7 @@ finds it; an invalid one is shown with its error instead of failing the report.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 from importlib import metadata
@@ -27,8 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from retarget.core.errors import TargetNotSupportedError
 from retarget.core.version import __version__
 from retarget.core.world import TARGET_ENV
+from retarget.kernels import xla
 from retarget.launch.config import (
     CONFIG_ENV,
     LaunchError,
@@ -44,6 +47,7 @@ OPTIONAL_PACKAGES = {
     "torchao": ("torchao",),
     "transformer_engine": ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
     "msamp": ("msamp", "ms-amp"),
+    "torch-xla": ("torch-xla", "torch_xla"),
     "numpy": ("numpy",),
     "networkx": ("networkx",),
 }
@@ -62,6 +66,7 @@ def env_report(config_file: str | os.PathLike[str] | None = None) -> str:
         *((name, _version(dists)) for name, dists in OPTIONAL_PACKAGES.items()),
         ("CPUs", _cpus()),
         *_devices(),
+        *_xla_devices(),
         ("distributed backends", ", ".join(_backends()) or "none"),
         (TARGET_ENV, os.environ.get(TARGET_ENV) or "not set"),
         (CONFIG_ENV, os.environ.get(CONFIG_ENV) or "not set"),
@@ -105,6 +110,19 @@ def _devices() -> list[tuple[str, str]]:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         found.append(("XPU devices", str(torch.xpu.device_count())))
     return found
+
+
+def _xla_devices() -> list[tuple[str, str]]:
+    """The XLA devices PJRT sees, when torch-xla is installed (nothing otherwise)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return []
+    try:
+        xla.torch_xla_or_refuse()
+    except TargetNotSupportedError as error:
+        return [("XLA devices", f"none: {str(error).split('; install')[0]}")]
+    if not os.environ.get("PJRT_DEVICE"):
+        return [("XLA devices", "not queried: set PJRT_DEVICE (TPU, CUDA or CPU)")]
+    return [("XLA devices", f"{xla.device_count()} ({xla.platform()})")]
 
 
 def _backends() -> list[str]:
