@@ -182,3 +182,41 @@ def test_retarget_env_lists_the_xla_devices():
     lines = env_report().splitlines()
     assert "- XLA devices: 4 (CPU)" in lines, lines
     assert any(line.startswith("- torch-xla: 2.") for line in lines)
+
+
+def _accelerator_trains(rank: int, world: int) -> dict:
+    import retarget as rt
+
+    accelerator = rt.Accelerator()
+    model, batches, loss_of = _model_and_batches("tiny_llama")
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before prepare, as scripts do
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    losses, ref_losses = [], []
+    for batch in batches[:3]:
+        loss = loss_of(model, batch)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        ref_loss = loss_of(reference, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    return {
+        "target": str(accelerator.target),
+        "type": str(accelerator.distributed_type.value),
+        "device": str(next(model.parameters()).device),
+        "losses": losses,
+        "reference": ref_losses,
+    }
+
+
+@needs_xla
+def test_the_accelerator_under_pjrt_trains_on_xla():
+    (got,) = run_ranks(_accelerator_trains, 1, timeout=600)
+    assert (got["target"], got["type"]) == ("xla", "XLA")
+    assert got["device"].startswith("xla")
+    _close(got["losses"], got["reference"], 1e-5)

@@ -36,14 +36,15 @@ class DistributedType(str, enum.Enum):
 
 
 def distributed_type(target: Target, world_size: int, device: torch.device) -> DistributedType:
-    """Accelerate's name for the target's distribution (NO in a world of one)."""
+    """Accelerate's name for the target's distribution (NO in a world of one, but XLA: one
+    process drives every XLA device, as under Accelerate)."""
     strategy = target.strategy
+    if strategy == "xla":
+        return DistributedType.XLA
     if world_size == 1:
         return DistributedType.NO
     if strategy in FSDP_STRATEGIES:
         return DistributedType.FSDP
-    if strategy == "xla":
-        return DistributedType.XLA
     if strategy == "single":
         return DistributedType.TP if "tp" in target else DistributedType.NO
     return DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU

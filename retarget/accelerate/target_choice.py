@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from retarget.accelerate.kwargs_base import KwargsHandler, KwargsHandlerError, TargetDraft
 from retarget.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
+from retarget.kernels import xla
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.grammar import Target, TargetError, parse_target
 from retarget.target.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
@@ -260,6 +262,9 @@ def _base(
     launched = launched_target()
     if launched is not None:
         return launched, f"${TARGET_ENV}", None
+    pjrt = os.environ.get("PJRT_DEVICE")
+    if world_size == 1 and pjrt and xla.available():  # as Accelerate picks XLA under torch_xla
+        return Target.parse("xla"), f"default under PJRT_DEVICE={pjrt} (torch_xla)", None
     many = world_size > 1
     return (
         Target.parse("ddp" if many else "single"),
