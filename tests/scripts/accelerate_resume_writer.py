@@ -8,6 +8,7 @@ accelerate_resume_run.py, shared with the retarget side."""
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def main() -> None:
         {"weights": final, "counter": counter.n, "step": accelerator.step, "drawn": drawn},
         args.final.format(rank=accelerator.process_index),
     )
+    # torch 2.13's gloo aborts an interpreter that exits with a live group now and then
+    # ("terminate called without an active exception"): end the group first, as our worker does.
+    if torch.distributed.is_initialized():
+        accelerator.wait_for_everyone()
+        del model, optimizer, scheduler
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
