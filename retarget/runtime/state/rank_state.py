@@ -46,21 +46,15 @@ def load_rank_state(
     positions and the RNG states, which belong to the saved run's ranks, are left as they are.
     """
     saved = read_tree(folder / f"rank_{rank if per_rank else 0}")
-    if not per_rank:
-        for obj, obj_state in zip(objects.schedulers, saved["schedulers"], strict=True):
-            obj.load_state_dict(obj_state)
-        if objects.scaler is not None:
-            objects.scaler.load_state_dict(saved["scaler"])
-        for obj, obj_state in zip(objects.custom, saved["custom_objects"], strict=True):
-            obj.load_state_dict(obj_state)
-        return saved
     for obj, obj_state in zip(objects.schedulers, saved["schedulers"], strict=True):
         obj.load_state_dict(obj_state)
     if objects.scaler is not None:
         objects.scaler.load_state_dict(saved["scaler"])
-    for obj, obj_state in zip(objects.dataloaders, saved["dataloaders"], strict=True):
-        obj.load_state_dict(obj_state)
+    if per_rank:
+        for obj, obj_state in zip(objects.dataloaders, saved["dataloaders"], strict=True):
+            obj.load_state_dict(obj_state)
     for obj, obj_state in zip(objects.custom, saved["custom_objects"], strict=True):
         obj.load_state_dict(obj_state)
-    RngState.from_tree(saved["rng"]).restore()
+    if per_rank:
+        RngState.from_tree(saved["rng"]).restore()
     return saved
