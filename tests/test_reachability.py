@@ -15,6 +15,7 @@ import pytest
 
 from retarget.launch.config import LaunchError
 from retarget.launch.reachability import check_port_free, wait_for_main
+from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,12 +48,6 @@ def _listening() -> socket.socket:
     return sock
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
     with _listening() as held:
         port = str(held.getsockname()[1])
@@ -65,7 +60,7 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
 
 
 def test_a_main_machine_that_does_not_answer_times_out_naming_the_address(tmp_path):
-    port = str(_closed_port())
+    port = str(free_port())
     done, seconds = _launch(
         tmp_path,
         *("--num_machines", "2", "--machine_rank", "1", "--num_processes", "2"),
@@ -100,7 +95,7 @@ def test_a_rank_that_crashes_before_the_first_collective_ends_the_job_naming_it(
 
 
 def test_wait_for_main_waits_until_the_main_machine_starts_listening():
-    port = _closed_port()
+    port = free_port()
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
@@ -120,7 +115,7 @@ def test_wait_for_main_waits_until_the_main_machine_starts_listening():
 
 
 def test_check_port_free_takes_a_free_port_and_names_a_held_one():
-    check_port_free(_closed_port(), "--main_process_port")
+    check_port_free(free_port(), "--main_process_port")
     with _listening() as held:
         port = held.getsockname()[1]
         with pytest.raises(LaunchError, match=f"^--main_process_port {port} is already in use"):
