@@ -12,6 +12,7 @@ scaler, ZeroRedundancyOptimizer) and the optimizer guard; the report prints the 
     loss_scaler   LossScalerPlan  insert_autocast (fp16)   Runtime (runtime.scaler)
     fp8           Fp8Plan         swap_fp8 (msamp)         the user (MS-AMP's optimizer)
     stream        StreamPlan      plan_stream              driver (bigmodel.stream_weights), report
+    tp            TpPlan          shard_tp                 apply_plan (runtime.apply_tp), report
     applied       AppliedPlan     apply_plan               Runtime, optimizer guard, report
 
 Each record is frozen: a pass replaces a field, nobody edits a record in place. `to_dict()`
@@ -227,6 +228,55 @@ class XlaPlan:
         return f"xla: {how}"
 
 
+#: The layouts a TpRule may name; each is one of torch.distributed.tensor.parallel's styles.
+TP_STYLES = {
+    "colwise": "ColwiseParallel(): weight (and bias) sharded on the output features",
+    "rowwise": "RowwiseParallel(): weight sharded on the input features, output all-reduced",
+    "colwise_rep": "ColwiseParallel(output_layouts=Replicate()): outputs gathered (LM head)",
+    "rowwise_rep": "RowwiseParallel(input_layouts=Replicate()): vocab-parallel embedding",
+    "sequence_parallel": "SequenceParallel(): norm/dropout sharded on the sequence dim",
+    "replicate": "kept whole on every rank",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpRule:
+    """How one module is split: a style of TP_STYLES and why."""
+
+    style: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpPlan:
+    """Tensor parallelism (`tp[...]`): module path -> style, derived from the regions' graphs
+    (plan=auto) or read from a hand plan, plus the module attributes that hold a full width and
+    are divided by the degree (a head count)."""
+
+    size: int
+    """The tensor-parallel degree (the mesh's "tp" dimension)."""
+    source: str
+    """"auto" or the hand plan's PKG.MODULE:NAME (or "config.base_model_tp_plan")."""
+    rules: Mapping[str, TpRule] = field(default_factory=dict)
+    """Module path (as in the user's named_modules) -> rule, in module order."""
+    attribute_fixes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Module path -> {attribute: value on each rank}, e.g. {"num_heads": 4} at size 2 of 8."""
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    per_rank_numel: int = 0
+    total_numel: int = 0
+
+    def describe(self) -> str:
+        styles: dict[str, int] = {}
+        for rule in self.rules.values():
+            styles[rule.style] = styles.get(rule.style, 0) + 1
+        split = ", ".join(f"{n} {s}" for s, n in styles.items()) or "nothing split"
+        return (
+            f"tp[size={self.size}] ({self.source}): {split}; "
+            f"{self.per_rank_numel:,} of {self.total_numel:,} parameter elements per rank"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class AppliedPlan:
     """What apply_plan did in this process."""
@@ -253,6 +303,7 @@ class Plan:
     fp8: Fp8Plan | None = None
     stream: StreamPlan | None = None
     xla: XlaPlan | None = None
+    tp: TpPlan | None = None
     applied: AppliedPlan | None = None
 
     @property
