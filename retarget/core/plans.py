@@ -261,6 +261,9 @@ class TpPlan:
     """Module path (as in the user's named_modules) -> rule, in module order."""
     attribute_fixes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Module path -> {attribute: value on each rank}, e.g. {"num_heads": 4} at size 2 of 8."""
+    fused: Mapping[str, int] = field(default_factory=dict)
+    """Module path -> parts fused along its sharded dim (3 for GPT-2's c_attn q|k|v): each part
+    is split on its own, so every rank holds its slice of q, of k and of v."""
     sequence_parallel: bool = False
     loss_parallel: bool = False
     per_rank_numel: int = 0
