@@ -29,7 +29,16 @@ from typing import Any
 import torch
 
 from retarget.cli.bench_bigmodel import big_load_rows, offload_rows
+from retarget.cli.bench_compile import (
+    compile_dist_markdown,
+    compile_dist_rows,
+    compile_step_markdown,
+    compile_step_rows,
+    compile_time_markdown,
+    compile_time_rows,
+)
 from retarget.cli.bench_coverage import coverage_markdown, coverage_rows
+from retarget.cli.bench_plot import PlotError, plot
 from retarget.cli.commands import CliError, Handler, command
 
 BEGIN = "<!-- retarget bench table: begin -->"
@@ -154,6 +163,31 @@ SUITES: dict[str, Suite] = {
             results="coverage.json",
             rows=coverage_rows,
             section=coverage_markdown,
+        ),
+        # The compile suites (minutes of inductor compiles each) keep their own tables, with
+        # the date, commit and load of their run, rather than rows of the full table.
+        Suite(
+            name="compile-step",
+            file="test_compile_step.py",
+            results="compile_step.json",
+            rows=compile_step_rows,
+            needs=("accelerate",),
+            section=compile_step_markdown,
+        ),
+        Suite(
+            name="compile-time",
+            file="test_compile_time.py",
+            results="compile_time.json",
+            rows=compile_time_rows,
+            needs=("accelerate",),
+            section=compile_time_markdown,
+        ),
+        Suite(
+            name="compile-dist",
+            file="test_compile_dist.py",
+            results="compile_dist.json",
+            rows=compile_dist_rows,
+            section=compile_dist_markdown,
         ),
         Suite(
             name="bigload",
@@ -307,35 +341,6 @@ def table_suites() -> list[Suite]:
     return [s for s in SUITES.values() if s.section is None]
 
 
-def plot(rows: list[Row], path: Path) -> None:
-    """Bar chart of every ratio-valued figure (one bar per figure)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise BenchError("--plot needs matplotlib: pip install -e '.[bench]'") from err
-    points = [(f"{s}: {f}"[:70], _number(v)) for s, f, v in rows if _number(v) is not None]
-    if not points:
-        raise BenchError("no figures to plot: run the suites first")
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(points) + 1.5))
-    ax.barh([p[0] for p in points], [p[1] for p in points])
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("ratio (1.0 = baseline measured in the same run)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _number(value: str) -> float | None:
-    try:
-        return float(value.split(",")[0].split()[-1].rstrip("x"))
-    except ValueError:
-        return None
-
-
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -375,7 +380,7 @@ def bench_arguments(parser: argparse.ArgumentParser) -> Handler:
             if args.plot:
                 plot(collect(table_suites(), where), Path(args.plot))
                 print(f"wrote {args.plot}")
-        except BenchError as exc:
+        except (BenchError, PlotError) as exc:
             raise CliError(str(exc)) from None
         return 0 if all(v == "ok" or v.startswith("skipped") for v in status.values()) else 1
 
