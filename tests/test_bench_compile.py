@@ -61,6 +61,8 @@ def test_sections_say_when_where_and_whether_each_goal_is_met():
     assert "load average 3.5" in step
     assert "| fp32 | compile / uncompiled | 0.600 | <= 0.60: met |" in step
     assert "| fp32 | compile / by hand | 1.023 | <= 1.02: missed |" in step
+    bf16 = compile_step_markdown({"bf16": STEP["fp32"]})  # the 0.60 goal is fp32's alone
+    assert "| bf16 | compile / uncompiled | 0.600 |  |" in bf16
     assert "uncompiled 0.1500, compile 0.0900, by_hand 0.0880" in step
     time = compile_time_markdown(TIME)
     assert "| compile@2 | 20.00 | 19.90 | 0.1000 |" in time
