@@ -44,9 +44,44 @@ SAVED_OPS: dict[torch._ops.OpOverloadPacket, str] = {
 }
 
 
+#: Calls in a captured graph that can reach a SAVED_OPS op at the dispatcher (the op itself, or
+#: an op that decomposes into one above autograd: `linear` into `t` + `mm`). selective_scope.py
+#: enters the keeping mode only around these; any other call's ops are recomputed. A matmul
+#: hidden in a call missing here is recomputed, not lost: slower, never wrong.
+KEPT_CALLS: frozenset[torch._ops.OpOverloadPacket] = frozenset(SAVED_OPS) | {
+    aten.linear,
+    aten.matmul,
+    aten.einsum,
+    aten.tensordot,
+    aten.bilinear,
+    aten.addbmm,
+    aten.chain_matmul,
+    aten.conv1d,
+    aten.conv2d,
+    aten.conv3d,
+    aten.conv_transpose1d,
+    aten.conv_transpose2d,
+    aten.conv_transpose3d,
+    aten.scaled_dot_product_attention,
+}
+
+_DECIDED: dict[torch._ops.OpOverload, bool] = {}
+
+
 def is_saved(op: torch._ops.OpOverload) -> bool:
-    """Whether selective checkpointing keeps the output of `op` (an aten overload)."""
-    return getattr(op, "overloadpacket", None) in SAVED_OPS
+    """Whether selective checkpointing keeps the output of `op` (an aten overload).
+
+    An overload that writes into a tensor it is given (`mm.out`, as inductor's generated code
+    calls it, or an in-place op) is never kept: its output is the caller's buffer, which the
+    caller goes on to reuse, so replaying it would hand back overwritten values.
+    """
+    decided = _DECIDED.get(op)
+    if decided is None:
+        schema = getattr(op, "_schema", None)
+        mutates = schema is not None and schema.is_mutable
+        decided = getattr(op, "overloadpacket", None) in SAVED_OPS and not mutates
+        _DECIDED[op] = decided
+    return decided
 
 
 def selective_policy(ctx, op: torch._ops.OpOverload, *args, **kwargs) -> CheckpointPolicy:
