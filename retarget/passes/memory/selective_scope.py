@@ -30,8 +30,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,20 +127,26 @@ class ReplayOutputs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextmanager
-def _active(mode: TorchDispatchMode) -> Iterator[None]:
-    before = getattr(_ACTIVE, "mode", None)
-    _ACTIVE.mode = mode
-    try:
-        yield
-    finally:
-        _ACTIVE.mode = before
+class _Active:
+    """Makes `mode` this thread's selective mode while entered (re-enterable: a second
+    backward enters the recompute context again, and is then refused by the replay)."""
+
+    def __init__(self, mode: TorchDispatchMode) -> None:
+        self.mode = mode
+        self.before: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.before.append(getattr(_ACTIVE, "mode", None))
+        _ACTIVE.mode = self.mode
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.mode = self.before.pop()
 
 
 def scoped_contexts() -> tuple[Any, Any]:
     """context_fn for torch.utils.checkpoint: make this call's modes the thread's active ones."""
     store = _KeptOutputs()
-    return _active(KeepOutputs(store)), _active(ReplayOutputs(store))
+    return _Active(KeepOutputs(store)), _Active(ReplayOutputs(store))
 
 
 def run_kept(op: Callable, *args: Any, **kwargs: Any) -> Any:
