@@ -7,9 +7,11 @@ Policies (`ac[...]` options):
 - `full` (default): every repeated block runs under non-reentrant `torch.utils.checkpoint`;
   forward keeps only each block's inputs and backward runs the block again.
 - `every=N`: only every N-th repeat of each block type (the N-th, 2N-th, ...) is checkpointed.
-- `selective`: op-level; the block is checkpointed with `create_selective_checkpoint_contexts`
-  and the ops in recompute_rules.SAVED_OPS (matmuls, convolutions, attention, fp8 amax) keep
-  their outputs, so backward recomputes only the cheap ops.
+- `selective`: op-level; the ops in recompute_rules.SAVED_OPS (matmuls, convolutions,
+  attention, fp8 amax) keep their outputs, so backward recomputes only the cheap ops. Uncompiled,
+  a region's graphs get selective_scope's transform (the keeping modes entered only at kept
+  calls; a call with no graph runs whole under them); a compiled call runs under torch's
+  `create_selective_checkpoint_contexts` around the whole block.
 - `budget=0.5` / `budget=2GB`: activations after forward must fit the budget, a fraction of what
   the model keeps without checkpointing or a size; budget.py picks none / selective / full per
   repeat at the least recompute cost. Needs example inputs (the profile below).
@@ -18,8 +20,9 @@ One form for graphs and eager code. The checkpoint wraps each chosen repeat's *c
 is re-classed as `Checkpointed<Block>` (a dynamic subclass, so state_dict keys and isinstance
 stay the user's) whose forward calls checkpoint around the region's own forward, which runs the
 captured graph or, for a region no frontend captured, the eager forward. The selective policy is
-decided at the dispatcher on aten ops, so it is the same op-level policy in both cases and needs
-no graph rewrite; the region graphs stay as captured. Checkpointing is skipped when grad is off
+decided at the dispatcher on aten ops, so it is the same op-level policy in both cases; the one
+graph rewrite (selective only) routes kept calls through `run_kept`, which is the plain call
+outside a selective checkpoint and while dynamo traces. Checkpointing is skipped when grad is off
 (nothing is saved then) and while a region is being captured (the tracer must see the block).
 
 Guards:
