@@ -156,8 +156,38 @@ def run_kept(op: Callable, *args: Any, **kwargs: Any) -> Any:
     mode = getattr(_ACTIVE, "mode", None)
     if mode is None:
         return op(*args, **kwargs)
+    if op is _LINEAR and _folds_to_mm(*args, **kwargs):
+        return _linear_with_mm_under(mode, *args)
     with mode:
         return op(*args, **kwargs)
+
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+def _folds_to_mm(x: Any, weight: Any, bias: Any = None, **kwargs: Any) -> bool:
+    """Whether aten.linear(x, weight) runs exactly as t, view, mm, _unsafe_view (no bias, a
+    contiguous 3-d input: how its matmul folds the batch into one mm)."""
+    return (
+        bias is None
+        and not kwargs
+        and isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dim() == 3
+        and weight.dim() == 2
+        and x.is_contiguous()
+    )
+
+
+def _linear_with_mm_under(mode: TorchDispatchMode, x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """aten.linear's own ops in its order, with only the mm under the mode: its three view ops
+    would each cross into Python for nothing (the same autograd nodes, the same saved tensors)."""
+    aten = torch.ops.aten
+    transposed = aten.t.default(weight)
+    folded = aten.view.default(x, [-1, x.shape[-1]])
+    with mode:
+        out = aten.mm.default(folded, transposed)
+    return aten._unsafe_view.default(out, [*x.shape[:-1], weight.shape[0]])
 
 
 def scope_kept_calls(gm: fx.GraphModule) -> None:
