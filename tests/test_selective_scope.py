@@ -19,6 +19,8 @@ from retarget.passes.memory.selective_scope import (
     scope_kept_calls,
     scoped_contexts,
 )
+from tests.conftest import assert_same_step
+from tests.zoo import ZOO
 
 aten = torch.ops.aten
 SHAPE = dict(hidden=32, heads=2, layers=4, max_seq=256, vocab_size=64)
@@ -167,3 +169,25 @@ def test_scoped_keeps_what_the_whole_block_form_keeps_with_fewer_ops_in_python(m
     # Forward only: a linear reaches the modes as its mm, attention as its kernel; the
     # whole-block form classifies every op (norms, rotary, residuals, views, ...).
     assert 0 < 5 * len(scoped_ops) <= len(whole_ops), (len(scoped_ops), len(whole_ops))
+
+
+def test_a_kept_linear_under_autocast_runs_as_aten_linear():
+    """Autocast casts linear's inputs before its view; the mm-only path would cast after it."""
+    x, weight = torch.randn(2, 5, 6, requires_grad=True), torch.randn(7, 6, requires_grad=True)
+    # One autocast context each: autocast caches its cast of a weight until the context exits.
+    with torch.autocast("cpu", dtype=torch.bfloat16), _OpLog() as log:
+        expected = aten.linear.default(x, weight)
+    forward, _ = scoped_contexts()
+    with torch.autocast("cpu", dtype=torch.bfloat16), _OpLog() as kept_log, forward:
+        kept = run_kept(aten.linear.default, x, weight)
+    computed = [op for op in kept_log.ops if op is not aten.detach.default]
+    assert computed == log.ops and torch.equal(kept, expected)
+
+
+def test_bf16_plus_selective_equals_bf16():
+    entry = ZOO["tiny_llama"]
+    inputs = entry.inputs(2)
+    bf16 = retarget.compile_for(entry.factory(), "bf16", example_inputs=inputs)
+    both = retarget.compile_for(entry.factory(), "bf16+ac[policy=selective]", example_inputs=inputs)
+    assert is_scoped(both.program.region_of("model.layers.0").representative().gm)
+    assert_same_step(bf16, both, inputs)

@@ -167,9 +167,11 @@ _LINEAR = torch.ops.aten.linear.default
 
 def _folds_to_mm(x: Any, weight: Any, bias: Any = None, **kwargs: Any) -> bool:
     """Whether aten.linear(x, weight) runs exactly as t, view, mm, _unsafe_view (no bias, a
-    contiguous 3-d input: how its matmul folds the batch into one mm)."""
+    contiguous 3-d input: how its matmul folds the batch into one mm; no autocast, which would
+    cast linear's inputs before the view rather than mm's after it)."""
     return (
         bias is None
+        and not torch.is_autocast_enabled(x.device.type if isinstance(x, torch.Tensor) else "cpu")
         and not kwargs
         and isinstance(x, torch.Tensor)
         and isinstance(weight, torch.Tensor)
