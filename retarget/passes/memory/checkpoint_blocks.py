@@ -7,9 +7,11 @@ Policies (`ac[...]` options):
 - `full` (default): every repeated block runs under non-reentrant `torch.utils.checkpoint`;
   forward keeps only each block's inputs and backward runs the block again.
 - `every=N`: only every N-th repeat of each block type (the N-th, 2N-th, ...) is checkpointed.
-- `selective`: op-level; the block is checkpointed with `create_selective_checkpoint_contexts`
-  and the ops in recompute_rules.SAVED_OPS (matmuls, convolutions, attention, fp8 amax) keep
-  their outputs, so backward recomputes only the cheap ops.
+- `selective`: op-level; the ops in recompute_rules.SAVED_OPS (matmuls, convolutions,
+  attention, fp8 amax) keep their outputs, so backward recomputes only the cheap ops. Uncompiled,
+  a region's graphs get selective_scope's transform (the keeping modes entered only at kept
+  calls; a call with no graph runs whole under them); a compiled call runs under torch's
+  `create_selective_checkpoint_contexts` around the whole block.
 - `budget=0.5` / `budget=2GB`: activations after forward must fit the budget, a fraction of what
   the model keeps without checkpointing or a size; budget.py picks none / selective / full per
   repeat at the least recompute cost. Needs example inputs (the profile below).
@@ -18,8 +20,9 @@ One form for graphs and eager code. The checkpoint wraps each chosen repeat's *c
 is re-classed as `Checkpointed<Block>` (a dynamic subclass, so state_dict keys and isinstance
 stay the user's) whose forward calls checkpoint around the region's own forward, which runs the
 captured graph or, for a region no frontend captured, the eager forward. The selective policy is
-decided at the dispatcher on aten ops, so it is the same op-level policy in both cases and needs
-no graph rewrite; the region graphs stay as captured. Checkpointing is skipped when grad is off
+decided at the dispatcher on aten ops, so it is the same op-level policy in both cases; the one
+graph rewrite (selective only) routes kept calls through `run_kept`, which is the plain call
+outside a selective checkpoint and while dynamo traces. Checkpointing is skipped when grad is off
 (nothing is saved then) and while a region is being captured (the tracer must see the block).
 
 Guards:
@@ -65,6 +68,12 @@ from retarget.passes.memory.activation_profile import (
 from retarget.passes.memory.budget import BudgetPlan, solve_budget
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.memory.recompute_rules import selective_contexts
+from retarget.passes.memory.selective_scope import (
+    eager_form,
+    is_scoped,
+    scope_kept_calls,
+    scoped_contexts,
+)
 from retarget.target.grammar import Target
 
 BUDGET = "budget"
@@ -129,6 +138,7 @@ class CheckpointBlocks(Pass):
         for path, policy in plan.items():
             if policy != NONE:
                 install(program.submodule(path), policy)
+        self._scope_selective_regions(program, plan)
         program.analysis.checkpoint = {"policy": self.options.policy, "plan": plan}
         notes = [_group_note(program, name, paths, plan) for name, paths in _by_group(groups)]
         notes += _guard_notes(program, plan)
@@ -147,6 +157,17 @@ class CheckpointBlocks(Pass):
             for index, path in enumerate(paths):
                 plan[path] = policy if (index + 1) % every == 0 else NONE
         return plan
+
+    def _scope_selective_regions(self, program: Program, plan: dict[str, str]) -> None:
+        """Enter the keeping modes only at kept calls in graphs of selective repeats."""
+        regions = {
+            id(r): r
+            for p, policy in plan.items()
+            if policy == SELECTIVE
+            if (r := program.region_of(p)) is not None
+        }
+        for region in regions.values():
+            region.add_transform(self.name, scope_kept_calls, eager_form=eager_form)
 
     def _solve(self, profile: ActivationProfile | None) -> BudgetPlan:
         budget = self.options.budget
@@ -205,14 +226,15 @@ class BlockCheckpoint:
     policy: str
     batchnorms: tuple[str, ...] = ()
 
-    def context_fn(self, module: nn.Module):
-        """torch.utils.checkpoint's context_fn for a call of `module`."""
+    def context_fn(self, module: nn.Module, scoped: bool = False):
+        """torch.utils.checkpoint's context_fn for a call of `module`; `scoped`: its region
+        enters the selective modes at kept calls itself (selective_scope.py)."""
         if self.policy == FULL and not self.batchnorms:
             return noop_context_fn
 
         def contexts():
             if self.policy == SELECTIVE:
-                forward, recompute = selective_contexts()
+                forward, recompute = scoped_contexts() if scoped else selective_contexts()
             else:
                 forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
             if self.batchnorms:  # outermost: its copies must not run inside a selective mode
@@ -244,12 +266,17 @@ class CheckpointedModule(nn.Module):
         if capturing() or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         region = REGION.get(self)
+        scoped = False
         if region is not None:
-            region.graph_for(self, args, kwargs)  # a new signature is captured out here
+            graph = region.graph_for(self, args, kwargs)  # a new signature is captured out here
+            # Uncompiled, the region scopes the modes itself: at kept calls of a scoped graph,
+            # or around the whole eager form. A compiled call runs under torch's whole-block form.
+            scoped = region.runner is None and (graph is None or is_scoped(graph.gm))
         setting: BlockCheckpoint = CHECKPOINT.get(self)
+        context_fn = setting.context_fn(self, scoped)
         # A KV cache among the inputs: the recompute must see it as the forward did and must
         # not update it a second time; checkpointed_call makes the function pure in the cache.
-        return checkpointed_call(forward, args, kwargs, context_fn=setting.context_fn(self))
+        return checkpointed_call(forward, args, kwargs, context_fn=context_fn)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,237 @@
+"""Selective checkpointing of a captured graph with the dispatch mode entered only at kept calls.
+
+torch's form of selective checkpointing (`create_selective_checkpoint_contexts`) runs the whole
+block under a Python TorchDispatchMode, forward and recompute: every aten op crosses into Python
+to be classified, though only the matmul-class ops (recompute_rules.SAVED_OPS) are kept. On the
+bench model (TinyLM, 16 blocks of width 64, one CPU thread) those ~140 round trips per block and
+step cost more than recomputing the cheap ops themselves.
+
+A captured graph names its calls, so the mode is needed only around the calls that can reach a
+kept op (recompute_rules.KEPT_CALLS: linear, matmul, attention, convolution, ...). The region
+transform `scope_kept_calls` turns each such call into `run_kept(op, ...)`, which enters this
+thread's keeping mode around the one call, if a selective checkpoint is running:
+
+- in forward, `KeepOutputs` runs the call and keeps (detached) the outputs of the SAVED_OPS it
+  reaches, per op, in call order;
+- in recompute, `ReplayOutputs` hands those outputs back instead of running the op, so autograd
+  records the op again (saving its recomputed inputs) without its cost;
+- every other op runs with no mode at all: in recompute it simply runs again, which is what the
+  policy would have said (recompute everything not kept).
+
+Forward and recompute run the same graph, so both meet the kept calls in the same order. A call
+with no graph (an eager region, a signature that failed to capture, a user hook inside the
+block) runs its whole forward under the modes (`eager_form`), as torch's form does. Nothing here
+applies while dynamo traces (`run_kept` is then the plain call): a compiled region is selective
+or not by what checkpoint_blocks picks for compiled calls.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from retarget.passes.memory.recompute_rules import KEPT_CALLS, is_saved
+
+SCOPED = "selective_scoped"
+EXPORT_GUARDS = "_guards_fn"
+#: The modes of the selective checkpoint running on this thread (backward may run on another).
+_ACTIVE = threading.local()
+
+
+def _detached(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    # Under the mode autograd's view tracking is off; turn it on for the detach, so the kept
+    # tensor shares the version counter of the output and a later in-place write shows.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return value.detach()
+
+
+class _KeptOutputs:
+    """What forward kept: per op, its outputs in call order, with their versions."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[Any, deque] = defaultdict(deque)
+
+    def keep(self, func: Any, out: Any) -> None:
+        kept = tree_map(_detached, out)
+        versions = tree_map(lambda t: t._version if isinstance(t, torch.Tensor) else None, kept)
+        self.outputs[func].append((kept, versions))
+
+    def replay(self, func: Any) -> Any:
+        queue = self.outputs.get(func)
+        if not queue:
+            raise RuntimeError(
+                f"selective checkpointing: backward recomputes {func} more often than forward "
+                "ran it (a second backward through the block, or forward and recompute took "
+                "different paths)"
+            )
+        kept, versions = queue.popleft()
+        now = tree_map(lambda t: t._version if isinstance(t, torch.Tensor) else None, kept)
+        if now != versions:
+            raise RuntimeError(
+                f"selective checkpointing: the output of {func} kept for backward was modified "
+                "in place after forward"
+            )
+        return kept
+
+
+class KeepOutputs(TorchDispatchMode):
+    """Forward: run every op, keep the outputs of the SAVED_OPS."""
+
+    def __init__(self, store: _KeptOutputs) -> None:
+        super().__init__()
+        self.store = store
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never entered while dynamo traces (run_kept): no disable wrapper per op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if is_saved(func):
+            self.store.keep(func, out)
+        return out
+
+
+class ReplayOutputs(TorchDispatchMode):
+    """Recompute: hand back the kept outputs of the SAVED_OPS, run every other op."""
+
+    def __init__(self, store: _KeptOutputs) -> None:
+        super().__init__()
+        self.store = store
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never entered while dynamo traces (run_kept): no disable wrapper per op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_saved(func):
+            return self.store.replay(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _Active:
+    """Makes `mode` this thread's selective mode while entered (re-enterable: a second
+    backward enters the recompute context again, and is then refused by the replay)."""
+
+    def __init__(self, mode: TorchDispatchMode) -> None:
+        self.mode = mode
+        self.before: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.before.append(getattr(_ACTIVE, "mode", None))
+        _ACTIVE.mode = self.mode
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.mode = self.before.pop()
+
+
+def scoped_contexts() -> tuple[Any, Any]:
+    """context_fn for torch.utils.checkpoint: make this call's modes the thread's active ones."""
+    store = _KeptOutputs()
+    return _Active(KeepOutputs(store)), _Active(ReplayOutputs(store))
+
+
+def run_kept(op: Callable, *args: Any, **kwargs: Any) -> Any:
+    """A kept call of a graph: under the active selective mode, if any; else the plain call."""
+    if torch.compiler.is_compiling():
+        return op(*args, **kwargs)
+    mode = getattr(_ACTIVE, "mode", None)
+    if mode is None:
+        return op(*args, **kwargs)
+    if op is _LINEAR and _folds_to_mm(*args, **kwargs):
+        return _linear_with_mm_under(mode, *args)
+    with mode:
+        return op(*args, **kwargs)
+
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+def _folds_to_mm(x: Any, weight: Any, bias: Any = None, **kwargs: Any) -> bool:
+    """Whether aten.linear(x, weight) runs exactly as t, view, mm, _unsafe_view (no bias, a
+    contiguous 3-d input: how its matmul folds the batch into one mm; no autocast, which would
+    cast linear's inputs before the view rather than mm's after it)."""
+    return (
+        bias is None
+        and not torch.is_autocast_enabled(x.device.type if isinstance(x, torch.Tensor) else "cpu")
+        and not kwargs
+        and isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dim() == 3
+        and weight.dim() == 2
+        and x.is_contiguous()
+    )
+
+
+def _linear_with_mm_under(mode: TorchDispatchMode, x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """aten.linear's own ops in its order, with only the mm under the mode: its three view ops
+    would each cross into Python for nothing (the same autograd nodes, the same saved tensors)."""
+    aten = torch.ops.aten
+    transposed = aten.t.default(weight)
+    folded = aten.view.default(x, [-1, x.shape[-1]])
+    with mode:
+        out = aten.mm.default(folded, transposed)
+    return aten._unsafe_view.default(out, [*x.shape[:-1], weight.shape[0]])
+
+
+def scope_kept_calls(gm: fx.GraphModule) -> None:
+    """Region transform: route every call that can reach a kept op through `run_kept`.
+
+    Only a graph of aten calls (an exported one) is scoped; one that calls modules, methods or
+    torch functions (fx, dynamo, fp8 swaps) could hide a matmul anywhere, so it is left as is and
+    `is_scoped` says it must run whole under the modes.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if not all(_is_aten_call(gm, n) for n in nodes):
+        gm.meta[SCOPED] = False
+        return
+    for node in nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        if node.op == "call_function" and packet in KEPT_CALLS:
+            node.args = (node.target, *node.args)
+            node.target = run_kept
+    gm.meta[SCOPED] = True
+
+
+def is_scoped(gm: fx.GraphModule) -> bool:
+    """Whether `scope_kept_calls` scoped this graph's kept calls."""
+    return gm.meta.get(SCOPED, False)
+
+
+def _is_aten_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":  # torch.export's input guards do no tensor math
+        return node.target == EXPORT_GUARDS
+    if node.op == "call_function":
+        return isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
+    return False
+
+
+def eager_form(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Region eager form: a call with no graph runs whole under the active mode, if any."""
+
+    def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        mode = getattr(_ACTIVE, "mode", None)
+        if mode is None or torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        with mode:
+            return forward(*args, **kwargs)
+
+    return scoped_forward
