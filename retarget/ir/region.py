@@ -270,7 +270,13 @@ def _own_saved_tensors() -> contextlib.AbstractContextManager:
     """Keep what a capture saves for backward (its trace, its check against eager) out of an
     enclosing checkpoint's count: a first call captured inside a checkpointed forward (a layer
     that checkpoints itself) would otherwise save far more than its recomputation does."""
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Not the tensor itself: a node saving its own output (rsqrt) would hold the output, whose
+    # grad_fn is that node, in a cycle through C++ that gc never frees.
+    return tensor.detach()
 
 
 def _same(tensor: Any) -> Any:
