@@ -53,6 +53,12 @@ def _layer_inputs(model: nn.Module, path: str, ids: torch.Tensor, cache=None):
     return record_inputs(model, [[path]], Example)[path]
 
 
+def _cache_in(kwargs: dict):
+    """The cache a decoder layer was called with: `cache` from transformers 5.24 on, earlier
+    `past_key_values`."""
+    return kwargs["cache"] if "cache" in kwargs else kwargs["past_key_values"]
+
+
 def _same_state(a, b) -> bool:
     (sa, ta), (sb, tb) = layout([a]), layout([b])
     return sa == sb and len(ta) == len(tb) and all(map(torch.equal, ta, tb))
@@ -133,14 +139,14 @@ def test_decoder_layer_with_cache_is_captured_and_updates_the_live_cache(prefill
     graph = result.graph
     assert graph.state is not None and graph.state.index == 0
     eager_args, eager_kwargs = copy_state_args(args, kwargs)
-    live = kwargs["past_key_values"]
+    live = _cache_in(kwargs)
     live_layers = live.layers
     with torch.no_grad():
         expected = layer(*eager_args, **eager_kwargs)
         got = graph.run(layer, args, kwargs, graph.private_attributes(layer))
     assert torch.equal(expected, got)
     assert live.layers is live_layers  # updated in place
-    assert _same_state(live, eager_kwargs["past_key_values"])
+    assert _same_state(live, _cache_in(eager_kwargs))
 
 
 def test_one_graph_serves_every_layer_index() -> None:
@@ -154,7 +160,7 @@ def test_one_graph_serves_every_layer_index() -> None:
         expected = layer2(*eager_args, **eager_kwargs)
         got = graph.run(layer2, args, kwargs, graph.private_attributes(layer2))
     assert torch.equal(expected, got)
-    live, want = kwargs["past_key_values"], eager_kwargs["past_key_values"]
+    live, want = _cache_in(kwargs), _cache_in(eager_kwargs)
     assert _same_state(live, want)  # layer 2's entry grew, layers 0 and 1 untouched
     assert live.layers[2].keys.shape[-2] == live.layers[0].keys.shape[-2] + 1
 

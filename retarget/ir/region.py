@@ -91,7 +91,7 @@ class Region:
         self, module: nn.Module, args: tuple, kwargs: dict, *, check: tuple[nn.Module, ...] = ()
     ) -> CapturedGraph | None:
         """Capture the call for `module`'s signature (checked on `check` repeats too)."""
-        with running_eagerly((module, *check)), capturing_originals():
+        with running_eagerly((module, *check)), capturing_originals(), _own_saved_tensors():
             with users_hooks_set_aside(module, *check):
                 result = capture_call(
                     module, args, kwargs, frontends=self.frontends, check_modules=check
@@ -245,14 +245,42 @@ def _mismatch_only(failures: list[tuple[str, str]]) -> bool:
 
 @contextlib.contextmanager
 def running_eagerly(modules: tuple[nn.Module, ...]) -> Iterator[None]:
-    """Let region modules run their original forward (while they are being traced)."""
+    """Let region modules run their original forward (while they are being traced).
+
+    A module that checkpoints itself inside its own forward (transformers' decoder layers from
+    5.24 on wrap `forward`, where earlier versions wrapped `__call__`) has that switched off
+    for the trace: the graph records the plain computation, and the wrapper around the region
+    module's forward still checkpoints the graph's run, as it checkpointed the eager forward.
+    """
     parked = [(m, REGION.pop(m)) for m in modules]
+    self_checkpointing = [m for m in modules if getattr(m, "gradient_checkpointing", False) is True]
+    for module in self_checkpointing:
+        module.gradient_checkpointing = False
     try:
         yield
     finally:
+        for module in self_checkpointing:
+            module.gradient_checkpointing = True
         for module, region in parked:
             if region is not None:
                 REGION.set(module, region)
+
+
+def _own_saved_tensors() -> contextlib.AbstractContextManager:
+    """Keep what a capture saves for backward (its trace, its check against eager) out of an
+    enclosing checkpoint's count: a first call captured inside a checkpointed forward (a layer
+    that checkpoints itself) would otherwise save far more than its recomputation does."""
+    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Not the tensor itself: a node saving its own output (rsqrt) would hold the output, whose
+    # grad_fn is that node, in a cycle through C++ that gc never frees.
+    return tensor.detach()
+
+
+def _same(tensor: Any) -> Any:
+    return tensor
 
 
 def _apply(pass_name: str, transform: GraphTransform, graph: CapturedGraph) -> None:
