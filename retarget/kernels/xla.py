@@ -137,9 +137,9 @@ def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
     return [tuple(shard.shape) for shard, _ in shards]
 
 
-def sync() -> None:
-    """Cut the lazy graph here and run it: the step boundary."""
-    torch_xla_or_refuse().sync()
+def sync(*, wait: bool = False) -> None:
+    """Cut the lazy graph here and launch it: the step boundary (`wait`: until it finished)."""
+    torch_xla_or_refuse().sync(wait=wait)
 
 
 def compile_count() -> int:
