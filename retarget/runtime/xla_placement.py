@@ -28,9 +28,9 @@ from retarget.kernels import xla
 from retarget.runtime.data.xla_feed import XlaFeed
 from retarget.target.grammar import Target
 
-#: Calls of one kind allowed to compile: the first builds the step's graphs, the second and
-#: third again (the optimizer's state appears after the first step, Adam's step count after the
-#: second). Kinds are counted apart (training, eval, no_grad): an eval loop compiles its own.
+#: Calls of one kind allowed to compile. Measured with AdamW: steps 1 and 2 compile (the
+#: optimizer's state appears after step 1), none after; the third is margin. Kinds are counted
+#: apart (training, eval, no_grad): an eval loop compiles its own graphs.
 WARM_UP_STEPS = 3
 
 
@@ -92,7 +92,7 @@ class XlaSteps:
             f"after the {self.warm_up} warm-up steps of its kind, costing a compile each: an "
             "input shape or a Python value baked into the graph changed (a last partial batch: "
             "drop_last=True; varying lengths: pad to a few fixed sizes). Warned once; "
-            "compiled.report lists every recompiling step",
+            "compiled.report lists the recompiling steps",
             XlaRecompileWarning,
             stacklevel=4,
         )
@@ -117,12 +117,11 @@ class XlaSteps:
             return "xla steps: no call yet"
         steps = self.per_step()
         shown = ", ".join(map(str, steps[:12])) + (", ..." if len(steps) > 12 else "")
-        late = self.recompiling_steps()
-        after = (
-            "recompiled at " + ", ".join(f"step {s} ({n})" for s, n in list(late.items())[:8])
-            if late
-            else "none"
-        )
+        late = list(self.recompiling_steps().items())
+        after = "recompiled at " + ", ".join(f"step {s} ({n})" for s, n in late[:8])
+        if len(late) > 8:
+            after += f", ... ({len(late)} steps in all, each in to_dict())"
+        after = after if late else "none"
         return (
             f"xla steps: {len(self.compiled_before)} calls; graphs compiled per step [{shown}] "
             f"(step N counted when call N+1 starts); after warm-up ({self.warm_up} steps of "
