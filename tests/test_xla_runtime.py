@@ -112,7 +112,29 @@ def _loader_facts(rank: int, world: int) -> dict:
         facts["error"] = str(error)
     facts["received_before_error"] = len(received)
     facts["steps"] = xla_steps(compiled).to_dict()
+    facts.update(_dropout_after_restore(run.device))
     return facts
+
+
+def _dropout_after_restore(device: torch.device) -> dict:
+    """Dropout masks on the XLA device after RngState goes through files and back."""
+    import tempfile
+    from pathlib import Path
+
+    from retarget.runtime.state.codec import read_tree, write_tree
+    from retarget.runtime.state.rng import RngState
+
+    def mask() -> list[float]:
+        return torch.nn.functional.dropout(torch.ones(64, device=device), 0.5).cpu().tolist()
+
+    saved = RngState.capture()
+    first = mask()
+    with tempfile.TemporaryDirectory() as folder:
+        write_tree(Path(folder) / "rng", saved.to_tree())
+        loaded = RngState.from_tree(read_tree(Path(folder) / "rng"))
+    moved_on = mask()
+    loaded.restore()
+    return {"xla_seed": saved.xla_seed, "masks": (first, moved_on, mask())}
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +274,10 @@ def test_the_accelerators_prepared_loader_feeds_sharded_xla_batches():
     assert got["specs"] == ["{devices=[4,1]0,1,2,3}"] * 3
     for a, b in zip(got["losses"], got["reference"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_the_xla_random_stream_is_saved_and_restored(loader_facts):
+    first, moved_on, restored = loader_facts["masks"]
+    assert isinstance(loader_facts["xla_seed"], int)
+    assert moved_on != first  # the stream moves on
+    assert restored == first  # and the restored state repeats the saved run's dropout mask

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -197,3 +198,25 @@ def parallel_loader(batches: Iterable[Any], *, shard_batch: bool) -> Any:
 
     sharding = batch_dim_sharding() if shard_batch else None
     return pl.ParallelLoader(batches, [device()], input_sharding=sharding)
+
+
+def rng_seed() -> int | None:
+    """The XLA device's running RNG seed (dropout on XLA tensors), or None when this process has
+    not started the XLA runtime (nothing to save; and asking would start it)."""
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla
+
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
+
+
+def set_rng_seed(seed: int) -> None:
+    """Continue the XLA device's random stream from `seed` (a value of `rng_seed()`)."""
+    torch_xla_or_refuse()
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(seed)
