@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from retarget.core.errors import TargetNotSupportedError
+from retarget.kernels import xla
 from retarget.runtime.state.codec import read_tree, write_tree
 from retarget.runtime.state.rng import RngState
 
@@ -66,3 +68,13 @@ def test_device_state_without_a_device_is_refused(rng_restored):
     )
     with pytest.raises(RuntimeError, match="generator of cuda:0.*no accelerator"):
         state.restore()
+
+
+@pytest.mark.skipif(xla.available(), reason="checks the refusal where torch_xla is missing")
+def test_an_xla_seed_without_torch_xla_is_refused_before_anything_is_restored(rng_restored):
+    state = dataclasses.replace(RngState.capture(), xla_seed=12345)
+    moved = random.random()
+    with pytest.raises(TargetNotSupportedError, match="xla: torch_xla cannot be imported"):
+        state.restore()
+    assert random.random() != moved  # Python's generator was left where it was, not rewound
+    assert RngState.capture().xla_seed is None  # a process without XLA saves no seed

@@ -24,6 +24,7 @@ dropped silently.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ from retarget.runtime.process import (
 )
 from retarget.runtime.runtime import prepare_in_order
 from retarget.runtime.state import checkpoint
+from retarget.runtime.xla_placement import xla_device_for, xla_feed
 
 __all__ = ["Accelerator", "DistributedType"]
 
@@ -117,6 +119,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin
         )
         self.target_origin = resolution.origin
+        if "xla" in self.target:  # models and batches live there, as Accelerate's device says
+            process = dataclasses.replace(process, device=xla_device_for(self.target))
         self.state = AcceleratorState.of(
             process,
             distributed_type=distributed_type(self.target, process.world_size, process.device),
@@ -221,7 +225,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         example = None
         if loaders:
             per_rank = self.state.world_size if self.split_batches else 1
-            example = example_inputs_for(model, loaders[0], per_rank, self.device)
+            # capture runs the model where it is; under xla that is still the CPU
+            where = torch.device("cpu") if "xla" in self.target else self.device
+            example = example_inputs_for(model, loaders[0], per_rank, where)
         compiled = compile_for(model, self.target, example_inputs=example)
         compiled.runtime.gradient_accumulation_steps = self.gradient_accumulation_steps
         self._models.append(compiled)
@@ -229,6 +235,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
 
     def _prepare_dataloader(self, loader: DataLoader) -> Any:
         sharded = data.shard_dataloader(loader, self.state, **self.shard_options)
+        sharded.feed = xla_feed(self.target)  # xla: uploaded by torch_xla's ParallelLoader
         self._dataloaders.append(sharded)
         return sharded
 

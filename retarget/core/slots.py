@@ -21,6 +21,7 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     DISK_WEIGHTS   per tensor name, the file/key it is mapped from  bigmodel.load_checkpoint
     LOAD_FAILED    why a checkpoint load left the model unusable    bigmodel.load_checkpoint
     OFFLOAD        the offload hooks of a dispatched model          bigmodel.dispatch
+    XLA_STEPS      the step counter of a model on XLA devices      runtime.xla_placement
 """
 
 from __future__ import annotations

@@ -8,12 +8,16 @@ before it has run.
 
 SPMD is a process-wide switch (`use_spmd` must come before the first XLA tensor): one 1-D mesh
 over every device of the process, axis "fsdp"; `mark_sharding` shards a tensor's dim 0 over it.
+`parallel_loader` uploads a loader's batches in background threads (torch_xla's ParallelLoader,
+what MpDeviceLoader wraps), each tensor's batch dim split over the mesh on the way.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -134,15 +138,85 @@ def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
     return [tuple(shard.shape) for shard, _ in shards]
 
 
-def sync() -> None:
-    """Cut the lazy graph here and run it: the step boundary."""
-    torch_xla_or_refuse().sync()
+def sync(*, wait: bool = False) -> None:
+    """Cut the lazy graph here and launch it: the step boundary (`wait`: until it finished)."""
+    torch_xla_or_refuse().sync(wait=wait)
 
 
 def compile_count() -> int:
-    """Graphs XLA compiled in this process so far."""
+    """Traced graphs XLA compiled in this process so far (misses of its graph cache).
+
+    Not the CompileTime metric: that also counts the small program XLA compiles, uncached,
+    every time a sharded tensor is copied to the CPU (measured: one per `.cpu()` under SPMD).
+    """
     torch_xla_or_refuse()
     import torch_xla.debug.metrics as met
 
-    data = met.metric_data("CompileTime")
-    return int(data[0]) if data else 0
+    return int(met.counter_value("UncachedCompile") or 0)
+
+
+@functools.cache
+def batch_dim_sharding() -> Any:
+    """An input sharding for ParallelLoader: dim 0 of every tensor over the mesh, any rank.
+
+    torch_xla's ShardingSpec applies one partition spec to the tensors whose rank matches it
+    and silently leaves the others whole, and its dict form needs dict batches with a spec per
+    key; a batch of (inputs, labels) has tensors of two ranks. This one builds the spec from
+    each tensor's rank, and leaves whole (replicated) a 0-dim tensor or one whose dim 0 does
+    not divide by the device count (the pre-hook of the compiled model then does the same).
+    """
+    torch_xla_or_refuse()
+    import torch_xla.distributed.spmd as xs
+
+    count = device_count()
+    by_rank: dict[int, Any] = {}
+
+    class BatchDimSharding(xs.ShardingSpec):
+        def can_apply(self, t: torch.Tensor) -> bool:
+            return t.dim() >= 1 and t.shape[0] % count == 0
+
+        def xla_spec(self, t: torch.Tensor) -> Any:
+            if not self.can_apply(t):
+                return None
+            if t.dim() not in by_rank:
+                spec = (MESH_AXIS,) + (None,) * (t.dim() - 1)
+                by_rank[t.dim()] = xs.ShardingSpec(mesh(), spec)
+            return by_rank[t.dim()].xla_spec(t)
+
+    return BatchDimSharding(mesh(), (MESH_AXIS,))
+
+
+def parallel_loader(batches: Iterable[Any], *, shard_batch: bool) -> Any:
+    """torch_xla's ParallelLoader over `batches` onto this process's device (close() it).
+
+    Its `per_device_loader(device())` yields the batches on the device, calling
+    `torch_xla.sync()` before each one (the step boundary MpDeviceLoader gives); with
+    `shard_batch` each tensor's dim 0 is split over the mesh as it is uploaded.
+    """
+    torch_xla_or_refuse()
+    import torch_xla.distributed.parallel_loader as pl
+
+    sharding = batch_dim_sharding() if shard_batch else None
+    return pl.ParallelLoader(batches, [device()], input_sharding=sharding)
+
+
+def rng_seed() -> int | None:
+    """The XLA device's running RNG seed (dropout on XLA tensors), or None when this process has
+    not started the XLA runtime (nothing to save; and asking would start it)."""
+    if "torch_xla" not in sys.modules:
+        return None
+    import torch_xla
+
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
+
+
+def set_rng_seed(seed: int) -> None:
+    """Continue the XLA device's random stream from `seed` (a value of `rng_seed()`)."""
+    torch_xla_or_refuse()
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(seed)

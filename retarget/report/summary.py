@@ -11,6 +11,7 @@ from typing import Any
 from retarget.ir.program import Program
 from retarget.report.memory_estimate import MemoryEstimate, estimate_memory
 from retarget.report.plan_text import plan_lines
+from retarget.report.xla_text import xla_dict, xla_lines
 
 
 class Report:
@@ -53,6 +54,7 @@ class Report:
             "fp8": p.analysis.fp8,
             "plan": p.plan.to_dict(),
             "memory": memory.to_dict(),
+            "xla": xla_dict(p),
             "notes": list(p.notes),
         }
 
@@ -109,6 +111,7 @@ class Report:
             lines += _table(rows)
         lines += ["", *str(memory).splitlines()]
         lines += plan_lines(self.program.plan)
+        lines += xla_lines(self.program)
         lines += [f"note: {note}" for note in d["notes"]]
         return "\n".join(lines)
 

@@ -45,6 +45,7 @@ held gradients back. Clipping on a non-final micro-step does nothing and returns
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -72,6 +73,7 @@ from retarget.runtime.step import (
     scale_gradients,
     window_for,
 )
+from retarget.runtime.xla_placement import xla_feed, xla_steps
 
 
 class Runtime(ProcessStateFacade):
@@ -84,6 +86,8 @@ class Runtime(ProcessStateFacade):
         self.state: ProcessState = (
             self.applied.state if self.applied is not None else ProcessState.current()
         )
+        if self.program.plan.xla is not None:  # the model lives there: `device` says so
+            self.state = dataclasses.replace(self.state, device=xla_steps(model).device)
         self.gradient_accumulation_steps = 1
         """Micro-steps per window for `accumulate()` without an argument."""
         self.accumulation_step = 0
@@ -108,10 +112,13 @@ class Runtime(ProcessStateFacade):
     # -- data and collectives --------------------------------------------------------------
 
     def shard(self, loader: DataLoader, **options: Any) -> Any:
-        """This rank's share of `loader` (options of runtime.data.shard_dataloader)."""
+        """This rank's share of `loader` (options of runtime.data.shard_dataloader); under
+        `xla` its batches are uploaded by torch_xla's ParallelLoader (runtime.data.xla_feed)."""
         from retarget.runtime.data import sharded_loader as data
 
-        return data.shard_dataloader(loader, self.state, **options)
+        sharded = data.shard_dataloader(loader, self.state, **options)
+        sharded.feed = xla_feed(self.program.target)
+        return sharded
 
     def gather(self, data: Any) -> Any:
         from retarget.runtime import collectives

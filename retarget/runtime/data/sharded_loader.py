@@ -27,7 +27,7 @@ and gradient accumulation read its `end_of_dataloader`, `remainder` and `duplica
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -127,7 +127,8 @@ class ShardedDataLoader:
     (batches of this epoch consumed, skipped ones included), and, for the iteration in
     progress, `end_of_dataloader` (True while the last batch is processed), `remainder` (real
     samples in the last round; -1 unknown) and `duplicates` (wrap-around samples that complete
-    the last round; -1 unknown).
+    the last round; -1 unknown). `feed`, when set, moves the batches instead of `.to(device)`
+    (batches -> batches on the device; under `xla`: runtime.data.xla_feed).
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class ShardedDataLoader:
         self.base_loader, self.dataset, self.state = loader, loader.dataset, state
         self.options, self.seed = options, seed
         self.device = torch.device(device) if device is not None else state.device
+        self.feed: Callable[[Iterable[Any]], Iterable[Any]] | None = None
         self._iterable = isinstance(loader.dataset, IterableDataset)
         # padding and sending only serve equal counts across ranks: a world of one needs neither
         self._even = options.even_batches and state.distributed
@@ -188,7 +190,7 @@ class ShardedDataLoader:
             self.base_loader, self.state, options=self.options, device=self.device, seed=self.seed
         )
         skipped.set_epoch(self.epoch)
-        skipped._draws = self._draws
+        skipped._draws, skipped.feed = self._draws, self.feed
         skipped._skip = num_batches
         return skipped
 
@@ -243,10 +245,10 @@ class ShardedDataLoader:
 
     def _look_ahead(self, source: Iterable[Any]) -> Iterator[Any]:
         """Yield one batch behind the source, so the last one is known while it is processed."""
-        batches = iter(source)
+        batches = iter(source if self.feed is None else self.feed(source))
         current = next(batches, _END)
         while current is not _END:
-            current = send_to_device(current, self.device)
+            current = send_to_device(current, self.device) if self.feed is None else current
             following = next(batches, _END)
             self.end_of_dataloader = following is _END
             self.position += 1

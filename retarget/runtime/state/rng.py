@@ -1,4 +1,5 @@
-"""The random number generator states of this process: Python, NumPy, torch CPU and the device.
+"""The random number generator states of this process: Python, NumPy, torch CPU and the device
+(an accelerator's generator, and the XLA device's running seed when this process runs XLA).
 
 A resumed run repeats an uninterrupted one bit for bit only if every generator the training
 step draws from continues where it stopped: dropout masks (torch CPU, or the accelerator's
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from retarget.kernels import xla
+
 
 def _accelerator() -> torch.device | None:
     """This process's accelerator device (CUDA, XPU, ...), None on a CPU-only machine."""
@@ -47,6 +50,8 @@ class RngState:
     """The accelerator whose generator is in `device_state` ("cuda:0"), None without one."""
     device_state: torch.Tensor | None = None
     """That accelerator's generator state (dropout on its tensors)."""
+    xla_seed: int | None = None
+    """The XLA device's running seed (dropout on XLA tensors), None when XLA did not run."""
 
     @classmethod
     def capture(cls) -> RngState:
@@ -69,6 +74,7 @@ class RngState:
             torch_cpu=torch.get_rng_state(),
             device=None if device is None else str(device),
             device_state=device_state,
+            xla_seed=xla.rng_seed(),
         )
 
     def restore(self) -> None:
@@ -76,8 +82,10 @@ class RngState:
 
         A state captured with an accelerator cannot be restored without one (the device's
         dropout masks could not be repeated): that is an error. A state captured on a CPU-only
-        machine leaves an accelerator's generator where it is.
+        machine leaves an accelerator's generator where it is. The same holds for the XLA seed.
         """
+        if self.xla_seed is not None:
+            xla.torch_xla_or_refuse()  # before anything is restored: the XLA stream is saved
         device = _accelerator()
         if self.device is not None and device is None:
             raise RuntimeError(
@@ -100,6 +108,8 @@ class RngState:
         torch.set_rng_state(self.torch_cpu)
         if self.device_state is not None:
             torch.get_device_module(device.type).set_rng_state(self.device_state, device)
+        if self.xla_seed is not None:
+            xla.set_rng_seed(self.xla_seed)
 
     def to_tree(self) -> dict[str, Any]:
         """Plain data and tensors, for `state_codec`."""
@@ -109,6 +119,7 @@ class RngState:
             "torch_cpu": self.torch_cpu,
             "device": self.device,
             "device_state": self.device_state,
+            "xla_seed": self.xla_seed,
         }
 
     @classmethod
