@@ -63,8 +63,8 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "torch_tp_plugin": (
         lambda v: v is None,
-        "no pass implements tensor parallelism ('tp') yet; to split a model too large for one "
-        "process, use target='fsdp'",
+        "the plugin is not read: write the layout as a target, e.g. target='fsdp+tp[size=2]' "
+        "(its tp_size is tp's size; the tp plan is derived, or plan=hf for the model's own)",
     ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),

@@ -1,8 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
 Contract: requires regions | provides fsdp
-    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
-    | options FsdpOptions
+    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions, shard_tp
+    | numerics exact | options FsdpOptions
 
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
 BasicBlock of a ResNet stage) is one `fully_shard` unit, and the root is the last unit, holding
@@ -79,6 +79,8 @@ class FsdpOptions:
     """hsdp: processes per shard group (0: processes per machine)."""
     offload: bool = False
     """CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU."""
+    tp_size: int = 1
+    """fsdp+tp: the tensor-parallel degree; FSDP shards over the world / tp_size dp ranks."""
     pin_memory: str = "auto"
     """offload: pin the CPU copies (auto: only when an accelerator is present)."""
     param_dtype: str | None = None
@@ -109,6 +111,7 @@ class FsdpOptions:
             "shard": values.get("shard", 0),
             "param_dtype": dtype_name(LOW_DTYPES[precision]) if precision else None,
             "reduce_dtype": REDUCE_DTYPE if precision else None,
+            "tp_size": (target.get("tp").get("size") or 1) if "tp" in target else 1,
         }
         offload = target.get("offload")
         if offload is not None:
@@ -124,7 +127,7 @@ class FsdpOptions:
     def mesh_shape(self, world: World) -> tuple[int, ...]:
         """(size,) for a 1-D mesh; (replicate, shard) for hsdp. ValueError if it does not fit."""
         if self.strategy != "hsdp":
-            return (world.size,)
+            return (max(world.size // self.tp_size, 1),)
         return world.hsdp_mesh(self.replicate, self.shard)
 
     def pin(self) -> bool:
@@ -167,7 +170,8 @@ class ShardFsdp(Pass):
     provides = ("fsdp",)
     # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
     # (autocast) inside its own all-gather.
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
+    # fsdp+tp: fully_shard over the dp dim of the blocks tp split (torchtitan's order).
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions", "shard_tp")
     Options = FsdpOptions
 
     @classmethod
@@ -199,7 +203,7 @@ def fsdp_plan(
         strategy=options.strategy,
         world=world,
         mesh_shape=tuple(mesh),
-        mesh_dims=("replicate", "shard")[-len(mesh) :],
+        mesh_dims=("dp",) if options.tp_size > 1 else ("replicate", "shard")[-len(mesh) :],
         reshard_after_forward=options.reshard_after_forward,
         sync_module_states=options.sync_module_states,
         state_dict=options.state_dict,
