@@ -56,6 +56,7 @@ from retarget.accelerate.target_choice import resolve_target
 from retarget.accelerate.tracker_set import TrackerSet
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
+from retarget.runtime.apply_plan import applied_of
 from retarget.runtime.data import sharded_loader as data
 from retarget.runtime.process import (
     ProcessState,
@@ -228,7 +229,10 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         return compiled
 
     def _prepare_dataloader(self, loader: DataLoader) -> Any:
-        sharded = data.shard_dataloader(loader, self.state, **self.shard_options)
+        # Under tp the loader divides over the dp ranks of the prepared model's mesh.
+        views = [a.data_state() for a in map(applied_of, self._models) if a is not None]
+        view = views[0] if views else self.state
+        sharded = data.shard_dataloader(loader, view, agree=self.state, **self.shard_options)
         self._dataloaders.append(sharded)
         return sharded
 

@@ -28,6 +28,7 @@ which the Runtime reads for no_sync, gradient sync and hook statistics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,15 +60,16 @@ class Applied:
     tp_modules: list[str] = field(default_factory=list)
     """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
 
-    @property
-    def data_mesh(self) -> Any:
-        """The mesh (dim) gradients are synchronised and data is sharded over; None: no dp."""
-        if self.mesh is None or self.mesh.mesh_dim_names is None:
-            return self.mesh
-        names = self.mesh.mesh_dim_names
+    def data_state(self) -> ProcessState:
+        """This process as data parallelism sees it: under tp, rank and world over the dp
+        ranks only (the ranks of a tp group share a batch); otherwise the process itself."""
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
         if "tp" not in names:
-            return self.mesh
-        return self.mesh["dp"] if "dp" in names else None
+            return self.state
+        if "dp" not in names:
+            return dataclasses.replace(self.state, rank=0, world_size=1)
+        dp = self.mesh["dp"]
+        return dataclasses.replace(self.state, rank=dp.get_local_rank(), world_size=dp.size())
 
     @property
     def fsdp_root(self) -> nn.Module | None:

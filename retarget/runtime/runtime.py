@@ -111,7 +111,11 @@ class Runtime(ProcessStateFacade):
         """This rank's share of `loader` (options of runtime.data.shard_dataloader)."""
         from retarget.runtime.data import sharded_loader as data
 
-        return data.shard_dataloader(loader, self.state, **options)
+        if self.applied is None:
+            return data.shard_dataloader(loader, self.state, **options)
+        # Under tp the loader divides over the dp ranks; the seed is agreed by every process.
+        view = self.applied.data_state()
+        return data.shard_dataloader(loader, view, agree=self.state, **options)
 
     def gather(self, data: Any) -> Any:
         from retarget.runtime import collectives

@@ -113,7 +113,8 @@ class ShardTp(Pass):
         options = self.options
         _refuse_unimplemented(options)
         size = options.degree(program.world.size)
-        plan = _with_counts(check_plan(program, resolve_plan(program, options, size)), program)
+        plan = resolve_plan(program, options, size)
+        plan = _with_counts(check_plan(program, plan, options.data_parallel), program)
         program.plan.tp = plan
         eager = make_split_regions_eager(program, plan)
         notes = [plan.describe()]
@@ -173,7 +174,7 @@ def _referenced(spec: str) -> Any:
         raise TargetNotSupportedError(f"tp[plan={spec}]: cannot import it ({exc})") from exc
 
 
-def check_plan(program: Program, plan: TpPlan) -> TpPlan:
+def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPlan:
     """The plan, if every rule can be applied to the model; TargetNotSupportedError if not."""
     size = plan.size
     for path, rule in plan.rules.items():
@@ -206,6 +207,13 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
             param = getattr(module, name, None)
             if param is None or dim is None:
                 continue
+            if parts > 1 and dim == 0 and data_parallel:
+                raise TargetNotSupportedError(
+                    f"{where}: {data_parallel}+tp with fused parts on dim 0 of {name}: FSDP2 "
+                    "also shards dim 0, and over tp's strided split of the parts torch 2.13 "
+                    "computes wrong gradients for it (a known limit here); use tp alone for "
+                    "this model"
+                )
             width = param.shape[dim]
             if width % (size * parts):
                 what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
@@ -246,18 +254,14 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
 
 
 def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
+    """The plan with its per-rank counts: the whole model's and each repeated block's."""
     mine, total = per_rank_of(program, plan, program.module)
-    return dataclasses.replace(plan, per_rank_numel=mine, total_numel=total)
-
-
-def block_fractions(program: Program, plan: TpPlan) -> dict[str, float]:
-    """Repeated block path -> share of its parameters one rank holds (the report's check)."""
-    shares = {}
-    for group in program.blocks:
-        for path in group.paths:
-            mine, total = per_rank_of(program, plan, program.submodule(path))
-            shares[path] = mine / total if total else 1.0
-    return shares
+    blocks = {
+        path: per_rank_of(program, plan, program.submodule(path))
+        for group in program.blocks
+        for path in group.paths
+    }
+    return dataclasses.replace(plan, per_rank_numel=mine, total_numel=total, blocks=blocks)
 
 
 def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:

@@ -76,6 +76,7 @@ def shard_dataloader(
     device: torch.device | str | None = None,
     seed: int | None = None,
     order: str = "seeded",
+    agree: ProcessState | None = None,
 ) -> ShardedDataLoader:
     """`loader` divided between the processes of `state` (see ShardOptions for the options).
 
@@ -83,13 +84,24 @@ def shard_dataloader(
     torch's initial seed) is broadcast so that all ranks shuffle alike; `order="accelerate"`
     shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches are
     moved to `device` (default: the process's device).
+
+    `agree` is the process group that must shuffle alike when `state` is a data-parallel view
+    smaller than it (tensor parallelism: the ranks of a tp group read the same batches, so the
+    loader divides over the dp ranks only, while the seed is broadcast over every process).
     """
     state = state if state is not None else ProcessState.current()
+    agree = agree if agree is not None else state
+    if dispatch_batches and agree.world_size != state.world_size:
+        raise ValueError(
+            "dispatch_batches=True under tensor parallelism: rank 0 would scatter batches to "
+            "every process, but the ranks of a tp group must get the same batch; use the "
+            "default dispatch_batches=False"
+        )
     if seed is None:
         generator = loader.generator
         seed = generator.initial_seed() if generator is not None else torch.initial_seed()
     box = [int(seed) % 2**62]
-    if state.distributed:
+    if agree.distributed:
         dist.broadcast_object_list(box, src=0)
     options = ShardOptions(
         split_batches=split_batches,
