@@ -38,6 +38,7 @@ from retarget.runtime.data.accelerate_order import AccelerateDraws, deal_dispatc
 from retarget.runtime.data.dispatch import CollateTagged, receive_batches
 from retarget.runtime.data.loader_facts import (
     batch_size_of,
+    check_agreeing,
     check_shardable,
     drops_last,
     skip_plain,
@@ -82,21 +83,11 @@ def shard_dataloader(
 
     Every rank must call this together: rank 0's `seed` (by default the loader generator's or
     torch's initial seed) is broadcast so that all ranks shuffle alike; `order="accelerate"`
-    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches are
-    moved to `device` (default: the process's device).
-
-    `agree` is the process group that must shuffle alike when `state` is a data-parallel view
-    smaller than it (tensor parallelism: the ranks of a tp group read the same batches, so the
-    loader divides over the dp ranks only, while the seed is broadcast over every process).
+    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches go
+    to `device` (default: the process's); `agree` (default `state`, tp: all) share the seed.
     """
-    state = state if state is not None else ProcessState.current()
-    agree = agree if agree is not None else state
-    if dispatch_batches and agree.world_size != state.world_size:
-        raise ValueError(
-            "dispatch_batches=True under tensor parallelism: rank 0 would scatter batches to "
-            "every process, but the ranks of a tp group must get the same batch; use the "
-            "default dispatch_batches=False"
-        )
+    state = state or ProcessState.current()
+    agree = check_agreeing(state, agree or state, dispatch_batches)
     if seed is None:
         generator = loader.generator
         seed = generator.initial_seed() if generator is not None else torch.initial_seed()

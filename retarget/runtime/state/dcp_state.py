@@ -2,9 +2,10 @@
 
 `model/` holds the tensors, one file per rank (under FSDP each rank's shards, under DDP or a
 single process the full tensors, written once; a tensor tp split in strides, its fused q|k|v
-parts, whole, since DCP's planner cannot place strided pieces); `model_state.json` the rest of the model and
-optimizer state dicts (learning rates, betas, parameter names) with references to the tensors.
-Loading fills templates built from the live objects, so the model must be built as it was saved.
+parts, whole, since DCP's planner cannot place strided pieces); `model_state.json` the rest of
+the model and optimizer state dicts (learning rates, betas, parameter names) with references to
+the tensors. Loading fills templates built from the live objects, so the model must be built as
+it was saved.
 """
 
 from __future__ import annotations
