@@ -26,7 +26,7 @@ SUGGESTION = re.compile(
 #: "no pass implements 'tp'" and "no pass implements tensor parallelism ('tp')".
 NOT_IMPLEMENTED = re.compile(r"no pass implements [^;']*'([a-z0-9-]+)'")
 #: Accelerator arguments and accelerate config files whose refusals are about a refused part.
-ACCELERATOR_ARGUMENTS = ("torch_tp_plugin", "parallelism_config")
+ACCELERATOR_ARGUMENTS = ("megatron_lm_plugin",)
 ACCELERATE_CONFIGS = (
     "distributed_type: MEGATRON_LM\n",
     "distributed_type: NO\nparallelism_config:\n  dp_shard_size: 2\n",

@@ -102,6 +102,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         dispatch_batches: bool = False,
         **unsupported: Any,
     ) -> None:
+        parallelism_config = unsupported.pop("parallelism_config", None)
+        torch_tp_plugin = unsupported.pop("torch_tp_plugin", None)
         refuse_unsupported(device_placement=device_placement, **unsupported)
         handlers = collect_handlers(kwargs_handlers)
         process = _process_state(handlers.get(InitProcessGroupKwargs), cpu)
@@ -113,6 +115,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             deepspeed_plugin=deepspeed_plugin,
             handlers=handlers,
             world_size=self.state.world_size,
+            parallelism_config=parallelism_config,
+            torch_tp_plugin=torch_tp_plugin,
         )
         self.target = dynamo_target(
             resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin

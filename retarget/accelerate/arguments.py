@@ -61,14 +61,8 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "prepared loaders draw as with Accelerate's default, rng_types=['generator'] (the "
         "sampler's generator kept in sync); torch's global RNG is left to the script",
     ),
-    "torch_tp_plugin": (
-        lambda v: v is None,
-        "the plugin is not read: write the layout as a target, e.g. target='fsdp+tp[size=2]' "
-        "(its tp_size is tp's size; the tp plan is derived, or plan=hf for the model's own)",
-    ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),
-    "parallelism_config": (lambda v: v is None, "write the target, e.g. target='hsdp'"),
     "gradient_accumulation_plugin": (
         lambda v: v is None,
         "pass gradient_accumulation_steps=; accumulation always ends at the end of a dataloader",
