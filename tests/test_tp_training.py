@@ -99,11 +99,13 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
         norms.append((float(norm), float(ref_norm)))
     loader = torch.utils.data.DataLoader(list(range(16)), batch_size=2, shuffle=True)
     seen = [b.tolist() for b in run.shard(loader)]
+    gathered = [run.gather_for_metrics(b).tolist() for b in run.shard(loader)]
     return {
         "losses": losses,
         "norms": norms,
         "applied": compiled.program.plan.applied.wrapped,
         "seen": seen,
+        "gathered": sorted(sum(gathered, [])),
     }
 
 
@@ -154,6 +156,32 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     return {"saved_equal": saved_equal and len(written) > 0, "bitwise": bitwise}
 
 
+def _bf16_ac(rank: int, world: int) -> dict[str, Any]:
+    """fsdp+tp+bf16+ac on Llama: one step's loss against one float32 process (bf16 tolerance);
+    the blocks are checkpointed and FSDP gathers in bfloat16."""
+    import torch.distributed as dist
+
+    import retarget
+    from tests import tp_models as tm
+
+    batch = tm.batch_for("lm", ROWS)
+    expected = tm.loss_of(tm.llama(), batch).item()
+    target = "fsdp+tp[size=2,plan=tests.tp_models:LLAMA_2]+bf16+ac"
+    compiled = retarget.compile_for(tm.llama(), target, example_inputs=_example("lm"))
+    loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
+    loss.backward()
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    norm = compiled.runtime.clip_grad_norm_(compiled.parameters(), 1.0)
+    ran = [r["name"] for r in compiled.report.to_dict()["passes"]]
+    return {
+        "error": abs(total.item() / world - expected) / expected,
+        "norm": float(norm),
+        "passes": ran,
+        "param_dtype": compiled.program.plan.fsdp.param_dtype,
+    }
+
+
 def _check_steps(results: list[dict[str, Any]], world: int) -> None:
     for step in range(STEPS):
         mine = sum(r["losses"][step][0] for r in results) / world
@@ -187,6 +215,7 @@ def test_tp_on_2_ranks_matches_one_process(tmp_path):
     # The loader does not divide between tp ranks: both read every sample, alike.
     seen = [r["train"]["seen"] for r in results]
     assert seen[0] == seen[1] and sorted(sum(seen[0], [])) == list(range(16))
+    assert all(r["train"]["gathered"] == list(range(16)) for r in results)
 
 
 def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
@@ -196,6 +225,7 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
         "step": _one_step(rank, world, target, names),
         "train": _training(rank, world, target, "llama"),
         "checkpoint": _checkpoint(rank, world, target, "llama", folder),
+        "bf16_ac": _bf16_ac(rank, world),
     }
 
 
@@ -214,3 +244,9 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     seen = [t["seen"] for t in train]
     assert seen[0] == seen[1] and seen[2] == seen[3]
     assert sorted(sum(seen[0] + seen[2], [])) == list(range(16))
+    # gather_for_metrics gathers over dp: every sample once, not once per tp rank.
+    assert all(t["gathered"] == list(range(16)) for t in train)
+    mixed = results[0]["bf16_ac"]
+    assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), mixed
+    assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])
+    assert mixed["param_dtype"] == "bfloat16"

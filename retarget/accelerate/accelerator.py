@@ -232,10 +232,14 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         self._models.append(compiled)
         return compiled
 
+    def _data_state(self) -> Any:
+        """The process as data parallelism sees it (under tp: the dp ranks and group)."""
+        views = [a.data_state() for a in map(applied_of, self._models) if a is not None]
+        return views[0] if views else self.state
+
     def _prepare_dataloader(self, loader: DataLoader) -> Any:
         # Under tp the loader divides over the dp ranks of the prepared model's mesh.
-        views = [a.data_state() for a in map(applied_of, self._models) if a is not None]
-        view = views[0] if views else self.state
+        view = self._data_state()
         sharded = data.shard_dataloader(loader, view, agree=self.state, **self.shard_options)
         self._dataloaders.append(sharded)
         return sharded

@@ -61,15 +61,18 @@ class Applied:
     """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
 
     def data_state(self) -> ProcessState:
-        """This process as data parallelism sees it: under tp, rank and world over the dp
-        ranks only (the ranks of a tp group share a batch); otherwise the process itself."""
+        """This process as data parallelism sees it: under tp, rank, world and process group
+        of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
+        gather_for_metrics gathers over dp); otherwise the process itself."""
         names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
         if "tp" not in names:
             return self.state
         if "dp" not in names:
             return dataclasses.replace(self.state, rank=0, world_size=1)
         dp = self.mesh["dp"]
-        return dataclasses.replace(self.state, rank=dp.get_local_rank(), world_size=dp.size())
+        return dataclasses.replace(
+            self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
+        )
 
     @property
     def fsdp_root(self) -> nn.Module | None:

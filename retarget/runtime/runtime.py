@@ -131,7 +131,8 @@ class Runtime(ProcessStateFacade):
         """`gather` without the samples even_batches duplicated: exactly the dataset's."""
         from retarget.runtime import collectives
 
-        return collectives.gather_for_metrics(self.state, data, use_gather_object=use_gather_object)
+        view = self.applied.data_state() if self.applied is not None else self.state
+        return collectives.gather_for_metrics(view, data, use_gather_object=use_gather_object)
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         from retarget.runtime import collectives
