@@ -70,6 +70,7 @@ def test_inspect_shows_the_plan_for_a_stated_world_size(capsys):
     assert "distribution plan: tp over 4 processes; not applied: world size is 1" in out
     assert "12,816 of 25,344 parameter elements per rank" in out
     assert "gpt_neox.layers.0  8,544       2,280     27%" in out
+    assert "repeat 1/2 (eager: tp: torch's parallel styles convert inputs and outputs" in out
 
 
 def test_fsdp_plus_tp_plans_a_dp_by_tp_mesh():
@@ -79,6 +80,10 @@ def test_fsdp_plus_tp_plans_a_dp_by_tp_mesh():
     passes = compiled.report.to_dict()["passes"]
     assert next(r for r in passes if r["name"] == "shard_tp")["stats"]["mesh"] == [2, 2]
     assert "distribution plan: fsdp+tp over 4 processes" in str(compiled.report)
+    # FSDP's per-rank counts are of what tp left per rank, chunked over the 2 dp ranks.
+    blocks = compiled.program.plan.tp.blocks
+    for unit in fsdp.units[:-1]:
+        assert len(unit.per_rank) == 2 and sum(unit.per_rank) == blocks[unit.path][0]
 
 
 def _refusal(name: str, target: str, world: int = 2) -> str:

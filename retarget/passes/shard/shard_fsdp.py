@@ -49,6 +49,7 @@ from retarget.core.plans import FsdpPlan, FsdpUnit
 from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
+from retarget.passes.shard.shard_tp import local_shapes
 from retarget.target.grammar import Target
 from retarget.target.precisions import LOW_DTYPES, dtype_name
 from retarget.target.strategies import FSDP_STRATEGIES
@@ -233,6 +234,12 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
     units: list[Unit] = []
     taken: set[int] = set()
     notes: list[str] = []
+    # fsdp+tp: FSDP shards what tp left on each rank (tp's plan runs first).
+    split = local_shapes(program, program.plan.tp) if program.plan.tp is not None else {}
+
+    def shape(param: nn.Parameter) -> tuple[int, ...]:
+        return split.get(id(param), tuple(param.shape))
+
     whole = next((r for r in program.regions if "" in r.paths and not r.eager_only), None)
     if whole is not None and program.blocks:
         # The root's graph reads the blocks' parameters itself instead of calling the blocks,
@@ -254,7 +261,7 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
                 )
                 notes.append(f"{path}: stays in the root unit ({why})")
                 continue
-            units.append(Unit(path, group.block_type, count, tuple(tuple(p.shape) for p in params)))
+            units.append(Unit(path, group.block_type, count, tuple(shape(p) for p in params)))
             taken.update(id(p) for p in params)
     rest = [p for p in _unique(root) if id(p) not in taken]
     units.append(
@@ -262,7 +269,7 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
             ROOT_UNIT,
             type(program.original).__name__,
             sum(p.numel() for p in rest),
-            tuple(tuple(p.shape) for p in rest),
+            tuple(shape(p) for p in rest),
         )
     )
     return units, notes

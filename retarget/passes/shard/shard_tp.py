@@ -253,6 +253,23 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
     return mine, total
 
 
+def local_shapes(program: Program, plan: TpPlan) -> dict[int, tuple[int, ...]]:
+    """id(parameter) -> the shape one tp rank holds, for the parameters the plan splits (what
+    FSDP then shards over dp)."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for path, rule in plan.rules.items():
+        module = program.submodule(path)
+        kind = module_kind(module)
+        for name, dim in (split_dims(kind, rule.style) if kind else {}).items():
+            param = getattr(module, name, None)
+            if param is None or dim is None or id(param) in shapes:
+                continue
+            shape = list(param.shape)
+            shape[dim] //= plan.size
+            shapes[id(param)] = tuple(shape)
+    return shapes
+
+
 def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
     """The plan with its per-rank counts: the whole model's and each repeated block's."""
     mine, total = per_rank_of(program, plan, program.module)
@@ -272,6 +289,7 @@ def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:
         if any(_inside(path, region_path) for path in split for region_path in region.paths):
             region.frontend, region.eager_only = EAGER, True
             region.reason = "tp: torch's parallel styles convert inputs and outputs in hooks"
+            region.failures = []
             region.graphs.clear()
             names.append(region.name)
     return names
