@@ -10,6 +10,7 @@ from torch import nn
 import retarget
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TpRule
+from retarget.report.memory_estimate import estimate_memory
 from tests import tp_models as tm
 
 
@@ -44,6 +45,15 @@ def test_counts_follow_the_split_dims():
     assert plan.blocks["blocks.0"] == (colwise // 2 + 32 * 64 // 2 + 32, colwise + rowwise)
     # The head (4x32+4) stays whole.
     assert plan.per_rank_numel == 2 * plan.blocks["blocks.0"][0] + 4 * 32 + 4
+
+
+def test_memory_estimate_counts_what_tp_leaves_per_rank():
+    compiled = _compile("mlp", "tp[size=2,plan=tests.tp_models:MLP_2]")
+    estimate = estimate_memory(compiled, run=False)
+    assert estimate.parameters == 4 * compiled.program.plan.tp.per_rank_numel
+    assert "tp[size=2]: the split modules hold 1/2 of their weights" in estimate.notes
+    both = _compile("mlp", "fsdp+tp[size=2,plan=tests.tp_models:MLP_2]", world=4)
+    assert estimate_memory(both, run=False).shards == 2  # FSDP over the 2 dp ranks
 
 
 def test_report_and_json_show_the_plan():
