@@ -291,8 +291,8 @@ YAML_ERRORS = [
     ),
     (
         "distributed_type: MEGATRON_LM\n",
-        "distributed_type: MEGATRON_LM cannot be honoured (no pass implements tensor "
-        "parallelism yet); to split a model too large for one process, use FSDP",
+        "distributed_type: MEGATRON_LM cannot be honoured (Megatron-LM's engine is not run "
+        "here); for tensor parallelism use TP (tp_config.tp_size), or FSDP to shard",
     ),
     (
         "distributed_type: MULTI_GPUS\n",

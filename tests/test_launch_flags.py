@@ -96,7 +96,7 @@ def test_every_accelerate_launch_flag_is_accepted_or_refused_by_name(script):
         (["--mpirun_hostfile", "hosts"], "MPI"),
         (["--aws_access_key_id", "key"], "SageMaker"),
         (["--ipex"], "Intel Extension"),
-        (["--use_parallelism_config"], "ND parallelism"),
+        (["--use_parallelism_config", "--parallelism_config_cp_backend", "x"], "sizes of a"),
         (["--use_deepspeed", "--deepspeed_config_file", "ds.json"], "JSON files are not read"),
         (["--use_deepspeed", "--deepspeed_hostfile", "hosts"], "hostfiles"),
         (["--use_deepspeed", "--deepspeed_multinode_launcher", "pdsh"], "torchrun"),
@@ -148,6 +148,12 @@ def test_refused_table_names_a_reason_for_each_flag():
             "ddp+bf16+fp8[amax_history=1024,backend=te,format=e4m3,margin=1,"
             "override_linear_precision=false|false|true]",
         ),
+        (
+            ["--use_parallelism_config", "--parallelism_config_tp_size", "2",
+             "--parallelism_config_dp_shard_size", "2", "--mixed_precision", "bf16"],
+            "fsdp+tp[size=2]+bf16",
+        ),
+        (["--use_parallelism_config", "--parallelism_config_tp_size", "4"], "tp[size=4]"),
         (  # precision flags alone change the precision of the target in effect
             ["--target", "fsdp", "--mixed_precision", "fp8", "--fp8_backend", "AO"],
             "fsdp+bf16+fp8[backend=torchao,scaling=current]",

@@ -1,4 +1,4 @@
-"""Messages about target parts no pass implements (tp today) never send the user
+"""Messages about target parts no pass implements (none today) never send the user
 to another refused target: every target a message suggests parses and build_pipeline accepts it.
 
 The refused parts are found by asking build_pipeline, so the test follows when a pass lands. A
@@ -26,7 +26,7 @@ SUGGESTION = re.compile(
 #: "no pass implements 'tp'" and "no pass implements tensor parallelism ('tp')".
 NOT_IMPLEMENTED = re.compile(r"no pass implements [^;']*'([a-z0-9-]+)'")
 #: Accelerator arguments and accelerate config files whose refusals are about a refused part.
-ACCELERATOR_ARGUMENTS = ("torch_tp_plugin", "parallelism_config")
+ACCELERATOR_ARGUMENTS = ("megatron_lm_plugin",)
 ACCELERATE_CONFIGS = (
     "distributed_type: MEGATRON_LM\n",
     "distributed_type: NO\nparallelism_config:\n  dp_shard_size: 2\n",
@@ -91,9 +91,10 @@ def accelerate_messages(tmp_path) -> list[str]:
     return found
 
 
-def test_the_refused_part_is_tp():
-    # compile has its pass (compile_regions) since issue 18, xla (place_xla) since issue 16.
-    assert set(REFUSED) == {"tp"}
+def test_no_part_is_refused():
+    # compile has its pass (compile_regions) since issue 18, xla (place_xla) since issue 16,
+    # tp (shard_tp) since issue 12.
+    assert set(REFUSED) == set()
     assert refusal("bf16+ac+compile[backend=aot_eager]") is None
 
 

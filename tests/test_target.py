@@ -46,7 +46,8 @@ NON_DEFAULT = [
     "zero3[cpu_ram_efficient_loading=true,min_params=5,state_dict=full,sync_module_states=false]",
     "hsdp[cpu_ram_efficient_loading=true,min_params=5,replicate=2,reshard=false,shard=8,"
     "state_dict=full,sync_module_states=false]",
-    "fsdp+tp[sequence_parallel=true,size=4]",
+    "fsdp+tp[loss_parallel=true,plan=pkg.plans:LLAMA_PLAN,sequence_parallel=true,size=4]",
+    "tp[plan=hf]",
     "xla[spmd=false]+bf16[autocast_eval=false,downcast=true,keep_fp32=cumsum|exp]",
     "xla[sharding=replicate]",
     "fp16[autocast_eval=false,backoff_factor=0.25,growth_factor=4.0,growth_interval=100,"
@@ -113,7 +114,7 @@ def test_non_default_specs_cover_every_option_that_has_a_non_default():
         ("ac[policy=budget,budget=0.5]", "ac[budget=0.5]"),
         ("fp8[backend=te,opt_level=o2]", "fp8[backend=te]"),
         ("tp", "tp"),
-        ("fsdp+tp+ac+bf16+compile", "fsdp+tp+bf16+ac+compile"),
+        ("fsdp+tp+ac+bf16", "fsdp+tp+bf16+ac"),
     ],
 )
 def test_canonical_strings(spec, canonical):
@@ -423,16 +424,18 @@ ERRORS = [
     (
         "ddp+tp",
         "tp",
-        "'ddp' and 'tp' do not combine: tensor parallelism composes with sharded data parallel "
-        "only, and no pass implements 'tp' yet; to split a model too large for one process, "
-        "use 'fsdp'",
+        "'ddp' and 'tp' do not combine: DistributedDataParallel all-reduces every gradient over "
+        "all ranks, but tp's parameters are DTensor shards that differ between the ranks of a tp "
+        "group and DDP does not take DTensors; tensor parallelism runs alone (tp[size] = the "
+        "number of processes) or under FSDP2 over the data-parallel dimension of a (dp, tp) "
+        "mesh (fsdp+tp, zero2+tp, zero3+tp)",
     ),
     (
         "single+tp",
         "tp",
-        "'single' and 'tp' do not combine: tensor parallelism composes with sharded data parallel "
-        "only, and no pass implements 'tp' yet; to split a model too large for one process, "
-        "use 'fsdp'",
+        "'single' and 'tp' do not combine: 'single' runs one process; tensor parallelism runs "
+        "alone (tp[size] = the number of processes) or under FSDP2 over the data-parallel "
+        "dimension of a (dp, tp) mesh (fsdp+tp, zero2+tp, zero3+tp)",
     ),
     (
         "fp16+bf16",
@@ -532,6 +535,7 @@ def option_values(opt: Option) -> st.SearchStrategy:
         ),
         "enum": st.sampled_from(opt.choices or ("",)),
         "name": st.sampled_from(("inductor", "aot_eager", "eager", "cudagraphs")),
+        "ref": st.sampled_from((*opt.choices, "pkg.plans:PLAN", "tests.tp_models:LLAMA_2")),
         "list": st.lists(
             st.sampled_from(opt.choices)
             if opt.choices
@@ -568,9 +572,10 @@ def valid_targets(draw):
     else:
         names += draw(st.sampled_from(([], ["bf16"], ["fp16"], ["fp8"], ["bf16", "fp8"])))
         names += [n for n in ("ac", "compile") if draw(st.booleans())]
-    if strategy in (None, "fsdp", "zero2", "zero3", "hsdp") and draw(st.booleans()):
+    tp_fits = not {"fp8", "compile"} & set(names)
+    if strategy in (None, "fsdp", "zero2", "zero3") and tp_fits and draw(st.booleans()):
         names.append("tp")
-    if strategy in ("fsdp", "zero2", "zero3", "hsdp") and draw(st.booleans()):
+    if strategy in ("fsdp", "zero2", "zero3", "hsdp") and "tp" not in names and draw(st.booleans()):
         names.append("offload")
     if strategy in ("ddp", "zero1"):
         names += draw(st.sampled_from(([], ["powersgd"], ["fp16-comm"], ["bf16-comm"])))

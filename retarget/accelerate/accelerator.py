@@ -57,6 +57,7 @@ from retarget.accelerate.target_choice import resolve_target
 from retarget.accelerate.tracker_set import TrackerSet
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
+from retarget.runtime.apply_plan import applied_of
 from retarget.runtime.data import sharded_loader as data
 from retarget.runtime.process import (
     ProcessState,
@@ -103,6 +104,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         dispatch_batches: bool = False,
         **unsupported: Any,
     ) -> None:
+        parallelism_config = unsupported.pop("parallelism_config", None)
+        torch_tp_plugin = unsupported.pop("torch_tp_plugin", None)
         refuse_unsupported(device_placement=device_placement, **unsupported)
         handlers = collect_handlers(kwargs_handlers)
         process = _process_state(handlers.get(InitProcessGroupKwargs), cpu)
@@ -114,6 +117,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             deepspeed_plugin=deepspeed_plugin,
             handlers=handlers,
             world_size=self.state.world_size,
+            parallelism_config=parallelism_config,
+            torch_tp_plugin=torch_tp_plugin,
         )
         self.target = dynamo_target(
             resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin
@@ -233,8 +238,15 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         self._models.append(compiled)
         return compiled
 
+    def _data_state(self) -> Any:
+        """The process as data parallelism sees it (under tp: the dp ranks and group)."""
+        views = [a.data_state() for a in map(applied_of, self._models) if a is not None]
+        return views[0] if views else self.state
+
     def _prepare_dataloader(self, loader: DataLoader) -> Any:
-        sharded = data.shard_dataloader(loader, self.state, **self.shard_options)
+        # Under tp the loader divides over the dp ranks of the prepared model's mesh.
+        view = self._data_state()
+        sharded = data.shard_dataloader(loader, view, agree=self.state, **self.shard_options)
         sharded.feed = xla_feed(self.target)  # xla: uploaded by torch_xla's ParallelLoader
         self._dataloaders.append(sharded)
         return sharded

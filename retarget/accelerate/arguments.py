@@ -61,14 +61,8 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "prepared loaders draw as with Accelerate's default, rng_types=['generator'] (the "
         "sampler's generator kept in sync); torch's global RNG is left to the script",
     ),
-    "torch_tp_plugin": (
-        lambda v: v is None,
-        "no pass implements tensor parallelism ('tp') yet; to split a model too large for one "
-        "process, use target='fsdp'",
-    ),
     "megatron_lm_plugin": (lambda v: v is None, "Megatron-LM is not supported"),
     "deepspeed_plugins": (lambda v: v is None, "pass one deepspeed_plugin"),
-    "parallelism_config": (lambda v: v is None, "write the target, e.g. target='hsdp'"),
     "gradient_accumulation_plugin": (
         lambda v: v is None,
         "pass gradient_accumulation_steps=; accumulation always ends at the end of a dataloader",

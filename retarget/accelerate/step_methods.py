@@ -129,7 +129,7 @@ class StepMethods:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """`gather` without the samples even_batches duplicated: exactly the dataset's."""
         return collectives.gather_for_metrics(
-            self.state, input_data, use_gather_object=use_gather_object
+            self._data_state(), input_data, use_gather_object=use_gather_object
         )
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

@@ -1,9 +1,11 @@
 """Which Target an Accelerator trains for, from its arguments, the launch, and the world size.
 
-In order, the distribution comes from: `target=`; else `fsdp_plugin=` / `deepspeed_plugin=`
+In order, the distribution comes from: `target=`; else `parallelism_config=` (Accelerate's
+N-D sizes, target/parallelism.py); else `fsdp_plugin=` / `deepspeed_plugin=`
 (mapped by the fsdp_config / deepspeed_config tables of target/accelerate_sections.py, the
 same ones that read Accelerate's YAML); else `$RETARGET_TARGET` (set by `retarget launch`);
-else `ddp` for more than one process and `single` for one. Precision: `mixed_precision=`
+else `ddp` for more than one process and `single` for one. `torch_tp_plugin=` adds
+tp[size=tp_size] to an fsdp_plugin's or the default's distribution. Precision: `mixed_precision=`
 replaces the precision parts of a launched target (as Accelerate's argument overrides its
 launch config) and must agree with an explicit `target=`; FP8 recipe handlers set the fp8
 options. Then the other kwargs handlers (DDP, GradScaler) set their options. Nothing is
@@ -30,6 +32,7 @@ from retarget.core.world import TARGET_ENV, launched_target
 from retarget.kernels import xla
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.grammar import Target, TargetError, parse_target
+from retarget.target.parallelism import SIZES, UNSUPPORTED, parallelism_target
 from retarget.target.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
 
 __all__ = ["Resolution", "resolve_target"]
@@ -238,8 +241,29 @@ def _plugin_target(fsdp_plugin: Any, deepspeed_plugin: Any) -> tuple[Target, int
 # ------------------------------------------------------------------------------ resolution
 
 
+def _with_tp(base: Target, origin: str, tp_plugin: Any) -> tuple[Target, str]:
+    """TorchTensorParallelPlugin(tp_size=N): tp[size=N] alone or beside the plugin's fsdp."""
+    if tp_plugin is None:
+        return base, origin
+    size = getattr(tp_plugin, "tp_size", None)
+    if origin not in ("fsdp_plugin",) and not origin.startswith("default"):
+        raise TargetError(
+            f"torch_tp_plugin with {origin}: give the layout in one place (tp[size={size}] in "
+            "the target, or the plugin with fsdp_plugin or alone)",
+            "torch_tp_plugin",
+        )
+    sizes = {"tp_size": size, "dp_shard_size": 2 if origin == "fsdp_plugin" else 1}
+    tp = parallelism_target(sizes, "torch_tp_plugin").get("tp")
+    parts = {p.name: dict(p.options) for p in base.parts if p.name not in ("single", "ddp")}
+    return Target.from_dict({**parts, "tp": dict(tp.options)}), f"{origin} + torch_tp_plugin"
+
+
 def _base(
-    target: Any, fsdp_plugin: Any, deepspeed_plugin: Any, world_size: int
+    target: Any,
+    fsdp_plugin: Any,
+    deepspeed_plugin: Any,
+    world_size: int,
+    parallelism_config: Any = None,
 ) -> tuple[Target, str, int | None]:
     chosen = [
         n
@@ -247,6 +271,7 @@ def _base(
             ("target=", target),
             ("fsdp_plugin", fsdp_plugin),
             ("deepspeed_plugin", deepspeed_plugin),
+            ("parallelism_config", parallelism_config),
         )
         if v is not None
     ]
@@ -256,6 +281,9 @@ def _base(
         )
     if target is not None:
         return parse_target(target), "target=", None
+    if parallelism_config is not None:
+        sizes = {k: getattr(parallelism_config, k, None) for k in (*SIZES, *UNSUPPORTED)}
+        return parallelism_target(sizes, "parallelism_config"), "parallelism_config", None
     if chosen:
         plugin_target, steps = _plugin_target(fsdp_plugin, deepspeed_plugin)
         return plugin_target, chosen[0], steps
@@ -323,10 +351,15 @@ def resolve_target(
     deepspeed_plugin: Any = None,
     handlers: Mapping[type, KwargsHandler] | None = None,
     world_size: int = 1,
+    parallelism_config: Any = None,
+    torch_tp_plugin: Any = None,
 ) -> Resolution:
     """The target an Accelerator with these arguments trains for (see the module docstring)."""
     handlers = dict(handlers or {})
-    base, origin, steps = _base(target, fsdp_plugin, deepspeed_plugin, world_size)
+    base, origin, steps = _base(
+        target, fsdp_plugin, deepspeed_plugin, world_size, parallelism_config
+    )
+    base, origin = _with_tp(base, origin, torch_tp_plugin)
     recipe = next((h for cls, h in handlers.items() if issubclass(cls, FP8_RECIPES)), None)
     precision = _precision(base, origin, mixed_precision, recipe)
     parts = {p.name: dict(p.options) for p in base.parts if p.name not in PRECISION_PART_NAMES}

@@ -268,6 +268,8 @@ class TpPlan:
     loss_parallel: bool = False
     per_rank_numel: int = 0
     total_numel: int = 0
+    blocks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Repeated block path -> (parameter elements one rank holds, elements in all)."""
 
     def describe(self) -> str:
         styles: dict[str, int] = {}

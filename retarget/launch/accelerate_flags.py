@@ -11,8 +11,10 @@ Distribution and precision flags are read as the Accelerate config keys they sta
 reason. With a distribution flag the flags are the target (not with --target); precision flags
 alone replace the precision parts of the target in effect. torchrun's flags pass through;
 -m/--module and --no_python change how a rank starts. Flags that cannot be honoured (TPU,
-Megatron-LM, MPI, SageMaker, IPEX, ND parallelism configs) are parsed so that using one is an
-error naming it and the reason, never argparse's "unrecognized arguments".
+Megatron-LM, MPI, SageMaker, IPEX, N-D parallelism options other than the sizes) are parsed
+so that using one is an error naming it and the reason, never argparse's "unrecognized
+arguments". --use_parallelism_config with --parallelism_config_{dp_replicate,dp_shard,tp}_size
+is the layout those sizes give (target/parallelism.py): tp 2 and dp_shard 2 is fsdp+tp[size=2].
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from retarget.launch.config import LaunchError
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.errors import TargetError
 from retarget.target.grammar import Target
+from retarget.target.parallelism import SIZES, UNSUPPORTED, parallelism_target
 from retarget.target.precisions import PRECISION_PART_NAMES
 
 __all__ = ["AccelerateFlags", "add_accelerate_arguments", "with_precision_flags"]
@@ -78,7 +81,7 @@ _OWNER = {
 
 _TPU = "TPUs run through torch_xla's launcher; retarget launches with torchrun"
 _MEGATRON = "Megatron-LM cannot be honoured (no pass implements its parallelism); use --use_fsdp"
-_ND = "ND parallelism configs are not read; say the layout as a target (--target hsdp, tp[size=2])"
+_ND = "only the dp_replicate/dp_shard/tp/cp/sp sizes of a parallelism config are read"
 #: Flags refused whatever their value: name -> (takes a value, why).
 REFUSED: dict[str, tuple[bool, str]] = {
     "tpu": (False, _TPU),
@@ -89,15 +92,15 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "env": (True, _TPU + " (--env sets a TPU pod's environment)"),
     "main_training_function": (True, _TPU + " (xla_spawn calls a function; we run a script)"),
     "use_megatron_lm": (False, _MEGATRON),
-    "use_parallelism_config": (False, _ND),
     "mpirun_hostfile": (True, "MPI launches (mpirun) are not made; retarget launches torchrun"),
     "aws_access_key_id": (True, "SageMaker launches are not made; run retarget on the instance"),
     "aws_secret_access_key": (True, "SageMaker launches are not made; run on the instance"),
     "ipex": (False, "Intel Extension for PyTorch is not applied; torch's own CPU path runs"),
     "enable_cpu_affinity": (False, "NUMA affinity is not set; start the launch under numactl"),
 }
-_PARALLELISM = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend")
-_PARALLELISM += ("cp_comm_strategy", "sp_size", "sp_backend", "sp_seq_length")
+#: --parallelism_config_<size>: read by target/parallelism.py (N-D sizes -> the target).
+_SIZES = (*SIZES, *UNSUPPORTED)
+_PARALLELISM = ("cp_backend", "cp_comm_strategy", "sp_backend", "sp_seq_length")
 _PARALLELISM += ("sp_seq_length_is_variable", "sp_attn_implementation")
 REFUSED.update({f"parallelism_config_{name}": (True, _ND) for name in _PARALLELISM})
 _MEGATRON_VALUED = ("tp_degree", "pp_degree", "num_micro_batches", "sequence_parallelism")
@@ -145,6 +148,15 @@ def add_accelerate_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(*_spellings(name), dest=name, help=help_text, **switch)
     for name in (*_SECTION_SWITCHES, "downcast_bf16", "same_network", "debug"):
         parser.add_argument(*_spellings(name), dest=name, help=argparse.SUPPRESS, **switch)
+    parser.add_argument(
+        *_spellings("use_parallelism_config"),
+        dest="use_parallelism_config",
+        help="the layout from --parallelism_config_{dp_replicate,dp_shard,tp}_size",
+        **switch,
+    )
+    for name in _SIZES:
+        flag = f"parallelism_config_{name}"
+        parser.add_argument(*_spellings(flag), dest=flag, type=int, help=argparse.SUPPRESS)
     parser.add_argument("-q", "--quiet", action="store_true", help="no launch line")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
     parser.add_argument(
@@ -194,8 +206,31 @@ class AccelerateFlags:
         )  # fmt: skip
 
 
+def _layout(args: argparse.Namespace, kinds: list[str]) -> Target | None:
+    """--use_parallelism_config and its sizes as the target's distribution (with precision)."""
+    sizes = {n: getattr(args, f"parallelism_config_{n}", None) for n in _SIZES}
+    given = [f"--parallelism_config_{n}" for n, v in sizes.items() if v is not None]
+    if not (getattr(args, "use_parallelism_config", None) or given):
+        return None
+    if kinds or not getattr(args, "use_parallelism_config", None):
+        other = f"--{kinds[0]}" if kinds else "nothing: add --use_parallelism_config"
+        raise LaunchError(f"{' '.join(given) or '--use_parallelism_config'} with {other}")
+    try:
+        layout = parallelism_target(sizes, "--parallelism_config")
+        mixed = getattr(args, "mixed_precision", None) or "no"
+        precision = read_target_sections({"distributed_type": "NO", "mixed_precision": mixed}, "")
+    except TargetError as error:
+        flags = " ".join(["--use_parallelism_config", *given])
+        raise LaunchError(f"{flags}: {str(error).split(': ', 1)[-1]}") from None
+    parts = [p for p in precision.parts if p.name != "single"]
+    return Target.from_dict({p.name: dict(p.options) for p in (*layout.parts, *parts)})
+
+
 def _targets(args: argparse.Namespace) -> tuple[Target | None, Target | None, list[str]]:
     kinds = [name for name in _DISTRIBUTIONS if getattr(args, name, None)]
+    layout = _layout(args, kinds)
+    if layout is not None:
+        return layout, None, ["--use_parallelism_config"]
     if len(kinds) > 1:
         raise LaunchError(f"{' and '.join(f'--{k}' for k in kinds)} both given; keep one")
     data: dict[str, Any] = {"distributed_type": _DISTRIBUTIONS[kinds[0]] if kinds else "NO"}

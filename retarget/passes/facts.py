@@ -77,6 +77,11 @@ def fsdp_planned(p: Program) -> bool:
     return p.plan.fsdp is not None
 
 
+def tp_planned(p: Program) -> bool:
+    """plan.tp holds the tensor-parallel rules"""
+    return p.plan.tp is not None
+
+
 def comm_hook_planned(p: Program) -> bool:
     """plan.comm_hook holds the hook DDP installs"""
     return p.plan.comm_hook is not None
@@ -114,6 +119,7 @@ FACTS: dict[str, Fact] = {
     "ddp": ddp_planned,
     "zero1": zero1_planned,
     "fsdp": fsdp_planned,
+    "tp": tp_planned,
     "comm_hook": comm_hook_planned,
     "compiled": regions_compiled,
     "stream": stream_planned,

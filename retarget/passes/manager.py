@@ -20,7 +20,12 @@ from typing import IO, Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from retarget.core.errors import PassError, PassOrderError, VerificationError
+from retarget.core.errors import (
+    PassError,
+    PassOrderError,
+    TargetNotSupportedError,
+    VerificationError,
+)
 from retarget.frontends.check import first_difference, preserved_state
 from retarget.ir.program import PassRecord, Program
 from retarget.passes.base import Numerics, Pass, PassResult
@@ -63,6 +68,8 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = pass_.run(program)
+            except TargetNotSupportedError:
+                raise  # a refusal of the target (shard_tp's plan checks), not a broken pass
             except Exception as exc:
                 raise PassError(pass_.name, ran, exc) from exc
             seconds = time.perf_counter() - start

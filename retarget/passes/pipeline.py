@@ -23,6 +23,7 @@ from retarget.passes.precision.insert_autocast import InsertAutocast
 from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
+from retarget.passes.shard.shard_tp import ShardTp
 from retarget.passes.shard.zero1 import ShardOptimizerState
 from retarget.target.grammar import Target
 from retarget.target.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
@@ -56,6 +57,10 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     (frozenset(DDP_STRATEGIES), ShardDdp),
     # zero1: optimizer state sharded over the ranks DDP replicates on (requires ddp).
     (frozenset({"zero1"}), ShardOptimizerState),
+    # tp: modules split across the tp group with torch's parallel styles. After every pass
+    # that changes the blocks' modules (the split ones are the final ones), before FSDP:
+    # torchtitan's order, parallelize first, then fully_shard over the dp mesh dim.
+    (frozenset({"tp"}), ShardTp),
     # fsdp/zero2/zero3/hsdp(+offload): FSDP2 units per repeated block plus the root, mixed
     # precision policy from bf16/fp16. Last rewrite of modules, like ddp, for the same reason.
     (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),

@@ -28,6 +28,7 @@ from torch import nn
 from retarget.core.world import World
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
+from retarget.passes.shard.shard_tp import local_shapes
 from retarget.target.grammar import Target, parse_target
 from retarget.target.strategies import STRATEGY
 
@@ -148,6 +149,10 @@ def estimate_memory(
     shards, notes = _shards(target, world)
     sharded = STRATEGY[target.strategy].shards
     params = _unique_parameters(program.module)
+    tp = program.plan.tp
+    split = local_shapes(program, tp) if tp is not None else {}
+    if tp is not None:
+        notes.append(f"tp[size={tp.size}]: the split modules hold 1/{tp.size} of their weights")
     trained = [p for p in params if p.requires_grad]
     profile = program.analysis.activation_profile
     if profile is None and run and program.example is not None:
@@ -170,9 +175,9 @@ def estimate_memory(
         world_size=world.size,
         shards=shards,
         optimizer=optimizer,
-        parameters=sum(_bytes(p, shards if sharded[0] else 1) for p in params),
-        gradients=sum(_bytes(p, shards if sharded[1] else 1) for p in trained),
-        optimizer_state=_optimizer_bytes(trained, optimizer, shards if sharded[2] else 1),
+        parameters=sum(_bytes(p, shards if sharded[0] else 1, split) for p in params),
+        gradients=sum(_bytes(p, shards if sharded[1] else 1, split) for p in trained),
+        optimizer_state=_optimizer_bytes(trained, optimizer, shards if sharded[2] else 1, split),
         activations=_by_group(program, profile, plan) if profile else None,
         activations_without_ac=_by_group(program, profile, {}) if profile and plan else None,
         recompute_transient=profile.transient(plan) if profile and plan else 0,
@@ -186,7 +191,9 @@ def _shards(target: Target, world: World) -> tuple[int, list[str]]:
         part = target.get("hsdp")
         replicate, shard = world.hsdp_mesh(part.get("replicate"), part.get("shard"))
         return shard, [f"hsdp: {replicate} replica group(s) of {shard} processes"]
-    return (world.size if any(STRATEGY[target.strategy].shards) else 1), []
+    # fsdp+tp: FSDP shards over the dp ranks, world / tp size.
+    dp = world.size // max(target.get("tp").get("size") or 1, 1) if "tp" in target else world.size
+    return (max(dp, 1) if any(STRATEGY[target.strategy].shards) else 1), []
 
 
 def _unique_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -197,9 +204,12 @@ def _unique_parameters(module: nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _bytes(tensor: torch.Tensor, shards: int) -> int:
-    """Bytes of the largest rank's shard: ceil(dim0 / shards) rows (FSDP2's dim-0 chunks)."""
-    shape = tuple(tensor.shape) or (1,)  # a DTensor's shape is the global one
+def _bytes(
+    tensor: torch.Tensor, shards: int, split: dict[int, tuple[int, ...]] | None = None
+) -> int:
+    """Bytes of the largest rank's shard: ceil(dim0 / shards) rows (FSDP2's dim-0 chunks) of
+    the tensor, or of the part tp leaves on a rank (`split`: id -> that shape)."""
+    shape = (split or {}).get(id(tensor)) or tuple(tensor.shape) or (1,)  # DTensor: global
     rows = -(-shape[0] // shards)
     numel = rows
     for size in shape[1:]:
@@ -207,9 +217,11 @@ def _bytes(tensor: torch.Tensor, shards: int) -> int:
     return numel * tensor.element_size()
 
 
-def _optimizer_bytes(params: list[torch.Tensor], optimizer: str, shards: int) -> int:
+def _optimizer_bytes(
+    params: list[torch.Tensor], optimizer: str, shards: int, split: dict[int, tuple[int, ...]]
+) -> int:
     states, step = OPTIMIZERS[optimizer]
-    per_state = sum(_bytes(p, shards) for p in params)
+    per_state = sum(_bytes(p, shards, split) for p in params)
     return states * per_state + (_STEP_BYTES * len(params) if step else 0)
 
 

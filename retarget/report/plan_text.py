@@ -6,7 +6,7 @@ itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
 
 from __future__ import annotations
 
-from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan, StreamPlan
+from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan, StreamPlan, TpPlan
 
 _SHOWN_RANKS = 8
 _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
@@ -15,14 +15,22 @@ _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view
 def plan_lines(plan: Plan) -> list[str]:
     """Lines for the text report; [] when the plan has nothing about distribution or streaming."""
     record = plan.distribution
+    if record is None and plan.tp is not None:
+        head = f"distribution plan: tp over {plan.tp.size} processes; {_applied(plan.applied)}"
+        return ["", head, *_tp_lines(plan.tp)]
     if record is None:
         return _stream_lines(plan.stream) if plan.stream is not None else []
+    strategy = record.strategy + ("+tp" if plan.tp is not None else "")
     lines = [
         "",
-        f"distribution plan: {record.strategy} over {record.world.describe()}; "
-        f"{_applied(plan.applied)}",
+        f"distribution plan: {strategy} over {record.world.describe()}; {_applied(plan.applied)}",
     ]
     lines += _ddp_lines(record) if isinstance(record, DdpPlan) else _fsdp_lines(record)
+    if plan.tp is not None:
+        lines.append(
+            "  (FSDP's counts above: whole tensors over dp; tp splits its modules further)"
+        )
+        lines += _tp_lines(plan.tp)
     if plan.zero1 is not None:
         lines.append(
             "  zero1: optimizer state per rank (elements) "
@@ -96,6 +104,24 @@ def _fsdp_lines(plan: FsdpPlan) -> list[str]:
         more = f" (+{len(per_rank) - _SHOWN_RANKS} ranks)" if len(per_rank) > _SHOWN_RANKS else ""
         rows.append((unit.path or "<root>", unit.block, f"{unit.parameters:,}", shown + more))
     return lines + _table(rows)
+
+
+def _tp_lines(plan: TpPlan) -> list[str]:
+    lines = [f"  {plan.describe()}"]
+    rows = [("module", "style", "why")]
+    for path, rule in plan.rules.items():
+        parts = plan.fused.get(path, 1)
+        style = rule.style + (f" ({parts} fused parts)" if parts > 1 else "")
+        rows.append((path, style, rule.reason))
+    lines += _table(rows)
+    for path, fixes in plan.attribute_fixes.items():
+        lines.append(f"  {path}: per rank " + ", ".join(f"{k}={v}" for k, v in fixes.items()))
+    if plan.blocks:
+        rows = [("block", "parameters", "per rank", "share")]
+        for path, (mine, total) in plan.blocks.items():
+            rows.append((path, f"{total:,}", f"{mine:,}", f"{mine / max(total, 1):.0%}"))
+        lines += _table(rows)
+    return lines
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -28,6 +28,7 @@ which the Runtime reads for no_sync, gradient sync and hook statistics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,6 +57,22 @@ class Applied:
     hook_state: Any = None
     fsdp_modules: list[nn.Module] = field(default_factory=list)
     mesh: Any = None
+    tp_modules: list[str] = field(default_factory=list)
+    """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
+
+    def data_state(self) -> ProcessState:
+        """This process as data parallelism sees it: under tp, rank, world and process group
+        of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
+        gather_for_metrics gathers over dp); otherwise the process itself."""
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        if "tp" not in names:
+            return self.state
+        if "dp" not in names:
+            return dataclasses.replace(self.state, rank=0, world_size=1)
+        dp = self.mesh["dp"]
+        return dataclasses.replace(
+            self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
+        )
 
     @property
     def fsdp_root(self) -> nn.Module | None:
@@ -82,14 +99,15 @@ def apply_plan(program: Program) -> None:
 def _apply(program: Program) -> None:
     plan = program.plan
     record = plan.distribution
-    if record is None:
+    if record is None and plan.tp is None:
         _note_lonely_processes(program)
         return
     state = ProcessState.current()
-    planned = record.world.size
+    planned = program.world.size
+    describe = program.world.describe()
     if state.world_size == 1:
         plan.applied = AppliedPlan(applied=False, reason="world size is 1")
-        planned_for = "" if planned == 1 else f" (the plan shown is for {record.world.describe()})"
+        planned_for = "" if planned == 1 else f" (the plan shown is for {describe})"
         program.notes.append(
             f"plan not applied: world size is 1, the model trains in this one process"
             f"{planned_for}. Launch N processes (retarget launch --num_processes N, or torchrun) "
@@ -98,14 +116,16 @@ def _apply(program: Program) -> None:
         return
     if planned != state.world_size:
         raise ValueError(
-            f"compile_for planned '{program.target}' for {record.world.describe()}, but this run "
+            f"compile_for planned '{program.target}' for {describe}, but this run "
             f"has {state.world_size} processes: drop world_size= (the run's own size is used) "
             f"or launch {planned} processes"
         )
     module = program.module
     if state.device.type != "cpu":
         module.to(state.device)
-    if plan.ddp is not None:
+    if plan.tp is not None:
+        applied = _apply_tp(program, state)
+    elif plan.ddp is not None:
         applied = _apply_ddp(program, state)
     else:
         applied = _apply_fsdp(program, plan.fsdp, state)
@@ -120,6 +140,9 @@ def _apply(program: Program) -> None:
 
 
 def _wrapped(applied: Applied) -> str:
+    if applied.kind == "tp":
+        mesh = tuple(applied.mesh.shape)
+        return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"
     if applied.kind == "ddp":
         hook = applied.hook_state
         return "DistributedDataParallel" + (f" + {type(hook).__name__}" if hook else "")
@@ -188,16 +211,46 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 # -- FSDP2 -----------------------------------------------------------------------------------
 
 
-def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState) -> Applied:
+# -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------
+
+
+def _apply_tp(program: Program, state: ProcessState) -> Applied:
+    """torch's parallel styles over the "tp" dim, then fully_shard over "dp" for fsdp+tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from retarget.runtime.apply_tp import apply_tp
+
+    tp = program.plan.tp
+    fsdp = program.plan.fsdp
+    shape, names = (tp.size,), ("tp",)
+    if fsdp is not None:
+        shape, names = (state.world_size // tp.size, tp.size), ("dp", "tp")
+    mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
+    # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
+    # distribute_tensor scatters rank 0's copy of the split ones.
+    broadcast_module_states(program.module)
+    # The regions holding split modules run eagerly (shard_tp), so no capture meets the hooks.
+    done = apply_tp(program.module, tp, mesh["tp"])
+    if fsdp is None:
+        release_replaced(program.original, program.module)
+        return Applied("tp", state, mesh=mesh, tp_modules=done)
+    applied = _apply_fsdp(program, fsdp, state, mesh=mesh)
+    applied.tp_modules = done
+    return applied
+
+
+def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState, mesh: Any = None) -> Applied:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes fully_shard HSDP.
-    mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
-    if plan.sync_module_states:
-        broadcast_module_states(program.module)
+    if mesh is None:
+        # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
+        mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
+        if plan.sync_module_states:
+            broadcast_module_states(program.module)
+    shard_mesh = mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
     kwargs = {
-        "mesh": mesh,
+        "mesh": shard_mesh,
         "reshard_after_forward": plan.reshard_after_forward,
         "mp_policy": mixed_precision_policy(plan),
         "offload_policy": offload_policy(plan),

@@ -94,7 +94,7 @@ def gather_object(state: ProcessState | None, obj: Any) -> list[Any]:
     if not state.distributed:
         return obj if isinstance(obj, list) else list(obj) if isinstance(obj, tuple) else [obj]
     everyone: list[Any] = [None] * state.world_size
-    dist.all_gather_object(everyone, obj)
+    dist.all_gather_object(everyone, obj, group=state.group)
     if all(isinstance(part, (list, tuple)) for part in everyone):
         return [item for part in everyone for item in part]
     return everyone
@@ -168,7 +168,7 @@ def _gather_samples(state: ProcessState, data: Any, keep: int | None) -> Any:
     if not objects:
         return gathered
     everyone: list[Any] = [None] * state.world_size
-    dist.all_gather_object(everyone, objects)
+    dist.all_gather_object(everyone, objects, group=state.group)
     if len({len(part) for part in everyone}) != 1:
         raise ValueError(
             "gather_for_metrics: the processes passed different numbers of object lists "
@@ -296,7 +296,7 @@ def _exchange_meta(
 ) -> list[list[_Meta]]:
     mine = [(path, tuple(t.shape), t.dtype) for path, t in found]
     everyone: list[Any] = [None] * state.world_size
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=state.group)
     return everyone
 
 
@@ -332,7 +332,7 @@ def _gather_rows(state: ProcessState, tensor: torch.Tensor, shapes: list[tuple])
     if wire.shape[0] < max(counts):
         wire = torch.cat([wire, wire.new_zeros(max(counts) - wire.shape[0], *wire.shape[1:])])
     buffers = [torch.empty_like(wire) for _ in range(state.world_size)]
-    dist.all_gather(buffers, wire)
+    dist.all_gather(buffers, wire, group=state.group)
     joined = torch.cat([buffer[:count] for buffer, count in zip(buffers, counts, strict=True)])
     return _rows_from_wire(joined, tensor.dtype, rows.shape[1:])
 

@@ -72,6 +72,9 @@ class ProcessState:
     local_world_size: int = 1
     backend: str | None = None
     device: torch.device = torch.device("cpu")
+    group: Any = None
+    """The process group collectives over this state use (None: every process; under tp the
+    data-parallel view of `Applied.data_state` names the dp group)."""
 
     _current = None
 

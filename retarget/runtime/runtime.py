@@ -116,7 +116,12 @@ class Runtime(ProcessStateFacade):
         `xla` its batches are uploaded by torch_xla's ParallelLoader (runtime.data.xla_feed)."""
         from retarget.runtime.data import sharded_loader as data
 
-        sharded = data.shard_dataloader(loader, self.state, **options)
+        if self.applied is None:
+            sharded = data.shard_dataloader(loader, self.state, **options)
+        else:
+            # Under tp the loader divides over the dp ranks; the seed is agreed by every process.
+            view = self.applied.data_state()
+            sharded = data.shard_dataloader(loader, view, agree=self.state, **options)
         sharded.feed = xla_feed(self.program.target)
         return sharded
 
@@ -134,7 +139,8 @@ class Runtime(ProcessStateFacade):
         """`gather` without the samples even_batches duplicated: exactly the dataset's."""
         from retarget.runtime import collectives
 
-        return collectives.gather_for_metrics(self.state, data, use_gather_object=use_gather_object)
+        view = self.applied.data_state() if self.applied is not None else self.state
+        return collectives.gather_for_metrics(view, data, use_gather_object=use_gather_object)
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         from retarget.runtime import collectives

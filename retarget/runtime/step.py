@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,8 +86,8 @@ def window_for(steps: int, done: int, end_of_data: bool) -> Window:
 @contextlib.contextmanager
 def gradient_sync(applied: Applied | None, sync: bool) -> Iterator[None]:
     """Forward and backward inside run with (sync) or without (no-sync) gradient communication."""
-    if sync or applied is None:
-        yield
+    if sync or applied is None or applied.kind == "tp":
+        yield  # tp alone: no data-parallel gradient sync to hold back
     elif applied.kind == "ddp":
         with applied.ddp.no_sync():
             yield
@@ -114,12 +115,33 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Clip to a global norm and return it as a plain tensor.
 
-    DTensor gradients (FSDP2 shards) make torch's clip_grad_norm_ reduce the norm across the
-    mesh, so the norm is the whole model's, as in one process; DDP gradients are identical on
-    every rank after the all-reduce, so the local norm is already the global one.
+    DTensor gradients (FSDP2 shards, tp splits) make torch's norm reduce across their mesh, so
+    the norm is the whole model's, as in one process; DDP gradients and the ones tp keeps whole
+    are identical on every rank, so their local norm is already the global one. torch's
+    clip_grad_norm_ takes one mesh at a time, so gradients are grouped by mesh (fsdp+tp mixes
+    the dp mesh and the (dp, tp) mesh; tp alone mixes plain tensors and tp DTensors), each
+    group's norm made whole, and the groups' norms combined.
     """
-    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    return total.full_tensor() if hasattr(total, "full_tensor") else total
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(_mesh_key(param.grad), []).append(param)
+    if len(groups) <= 1:
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _mesh_key(grad: torch.Tensor) -> Any:
+    mesh = getattr(grad, "device_mesh", None)
+    return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
 def clip_grad_value(params: list[torch.Tensor], clip_value: float) -> None:

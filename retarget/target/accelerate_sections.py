@@ -196,8 +196,8 @@ def read_distribution(file: AccelerateFile, parts: Parts) -> str:
     if kind == "MEGATRON_LM":
         file.fail(
             "distributed_type",
-            "MEGATRON_LM cannot be honoured (no pass implements tensor parallelism yet); "
-            "to split a model too large for one process, use FSDP",
+            "MEGATRON_LM cannot be honoured (Megatron-LM's engine is not run here); for "
+            "tensor parallelism use TP (tp_config.tp_size), or FSDP to shard",
         )
     word_map(dict.fromkeys(_DISTRIBUTED))(file, "distributed_type", value)
     for section, owner in _SECTION_OWNER.items():

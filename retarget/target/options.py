@@ -17,7 +17,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a part. ``kind`` is bool, int, float, enum, name, list, bools or budget."""
+    """One option of a part. ``kind`` is bool, int, float, enum, name, ref, list, bools or
+    budget."""
 
     kind: str
     default: Any
@@ -55,6 +56,12 @@ def enum_option(default: str, choices: str, doc: str) -> Option:
     return Option("enum", default, doc, tuple(choices.split("|")))
 
 
+def ref_option(default: str, choices: str, doc: str) -> Option:
+    """One word of ``choices`` or a ``PKG.MODULE:NAME`` reference to a Python object (its case
+    kept): ``ref_option("auto", "auto|hf", "how layers are split")``."""
+    return Option("ref", default, doc, tuple(choices.split("|")))
+
+
 def list_option(default: str, choices: str, doc: str) -> Option:
     """Words joined by ``|`` (from ``choices`` when given, else fnmatch patterns), sorted."""
     chosen = tuple(sorted(default.split("|"))) if default else ()
@@ -73,6 +80,7 @@ _BOOL_WORDS.update({"false": False, "no": False, "off": False, "0": False})
 _INT_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)(e[+-]?[0-9]+)?", re.ASCII | re.I)
 _NAME_VALUE_RE = re.compile(r"[a-z0-9_.:-]+", re.ASCII)
+_REF_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 _PATTERN_RE = re.compile(r"[A-Za-z0-9_.*?]+", re.ASCII)
 _BUDGET_RE = re.compile(
     r"(?P<num>([0-9]+\.?[0-9]*|\.[0-9]+)(e[+-]?[0-9]+)?)\s*(?P<unit>[kmgt]i?b|b)?", re.ASCII | re.I
@@ -129,6 +137,15 @@ def _to_name(opt: Option, value: Any) -> str:
     if isinstance(value, str) and _NAME_VALUE_RE.fullmatch(value.strip().lower()):
         return value.strip().lower()
     raise ValueError("expected a name of letters, digits, '_', '.', ':' or '-'")
+
+
+def _to_ref(opt: Option, value: Any) -> str:
+    if isinstance(value, str) and _REF_RE.fullmatch(value.strip()):
+        return value.strip()
+    try:
+        return _to_enum(opt, value)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or a reference PKG.MODULE:NAME)") from None
 
 
 def _to_list(opt: Option, value: Any) -> tuple[str, ...]:
@@ -194,6 +211,7 @@ _COERCE = {
     "float": _to_float,
     "enum": _to_enum,
     "name": _to_name,
+    "ref": _to_ref,
     "list": _to_list,
     "bools": _to_bools,
     "budget": _to_budget,

@@ -17,6 +17,30 @@ from retarget.target.schema import PARTS
 from retarget.target.strategies import DDP_STRATEGIES, FSDP_STRATEGIES, STRATEGIES, STRATEGY
 
 _HOOK_CLASH = "are both DDP comm hooks and DDP takes one; use powersgd[wrapper={}]"
+_TP_COMPOSES = (
+    "tensor parallelism runs alone (tp[size] = the number of processes) or under FSDP2 over "
+    "the data-parallel dimension of a (dp, tp) mesh (fsdp+tp, zero2+tp, zero3+tp)"
+)
+#: The parts tp does not combine with, and why.
+_TP_CONFLICTS = {
+    "single": f"'single' and 'tp' do not combine: 'single' runs one process; {_TP_COMPOSES}",
+    "ddp": "'ddp' and 'tp' do not combine: DistributedDataParallel all-reduces every gradient "
+    "over all ranks, but tp's parameters are DTensor shards that differ between the ranks of a "
+    f"tp group and DDP does not take DTensors; {_TP_COMPOSES}",
+    "zero1": "'zero1' and 'tp' do not combine: zero1 is DDP plus optimizer-state sharding, and "
+    f"DDP does not take tp's DTensor parameters; {_TP_COMPOSES}",
+    "hsdp": "'hsdp' and 'tp' do not combine: that needs a 3-D (replicate, shard, tp) mesh, "
+    f"which is not implemented; {_TP_COMPOSES}",
+    "xla": "'xla' and 'tp' do not combine: XLA shards with its own SPMD partitioner; "
+    + _TP_COMPOSES,
+    "compile": "'compile' and 'tp' do not combine yet: tp runs the split blocks eagerly (a "
+    "captured graph would skip the DTensor layouts torch's parallel styles install), and "
+    "torch.compile over DTensor modules is not implemented here",
+    "fp8": "'fp8' and 'tp' do not combine: torch's parallel styles split nn.Linear and the FP8 "
+    "modules are not nn.Linear; drop one of them",
+    "offload": "'offload' and 'tp' do not combine: CPU offload of tp's 2-D DTensor shards is "
+    "not implemented; drop offload",
+}
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {
     **{
@@ -24,18 +48,14 @@ CONFLICTS: dict[frozenset[str], str] = {
         f"({a} {STRATEGY[a].does}, {b} {STRATEGY[b].does})"
         for a, b in combinations(STRATEGIES, 2)
     },
-    **{
-        frozenset((s, "tp")): f"'{s}' and 'tp' do not combine: tensor parallelism composes "
-        "with sharded data parallel only, and no pass implements 'tp' yet; to split a model "
-        "too large for one process, use 'fsdp'"
-        for s in ("single", "ddp", "zero1", "xla")
-    },
+    **{frozenset((s, "tp")): why for s, why in _TP_CONFLICTS.items()},
     **{
         frozenset(("stream", other)): f"'stream' and '{other}' do not combine: stream runs "
         "inference in one process, bringing weights in block by block; "
         f"'{other}' is for training" + (" on several processes" if other in STRATEGIES else "")
         for other in (
-            *(s for s in STRATEGIES if s not in ("single", "tp", "xla")),  # tp: no pass yet
+            *(s for s in STRATEGIES if s not in ("single", "xla")),
+            "tp",
             "ac",
             "fp8",
             "offload",

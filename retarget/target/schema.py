@@ -17,6 +17,7 @@ from retarget.target.options import (
     float_option,
     int_option,
     list_option,
+    ref_option,
 )
 
 __all__ = ["PARTS", "PART_ORDER", "Option", "PartSchema"]
@@ -85,11 +86,17 @@ PARTS: dict[str, PartSchema] = {
             "size": int_option(
                 0, "tensor-parallel degree; 0: the world, or what data parallel leaves"
             ),
-            "plan": enum_option(
-                "auto", "auto", "how layers are split; auto: colwise then rowwise pairs"
+            "plan": ref_option(
+                "auto",
+                "auto|hf",
+                "how layers are split; auto: derived from the graphs; hf: the model config's "
+                "base_model_tp_plan; PKG.MODULE:NAME: a hand plan (globs -> styles, or a TpPlan)",
             ),
             "sequence_parallel": bool_option(
                 False, "also shard norms and dropout along the sequence"
+            ),
+            "loss_parallel": bool_option(
+                False, "keep the LM head's logits sharded on the vocabulary into the loss"
             ),
         },
     ),

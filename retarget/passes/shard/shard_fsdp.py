@@ -1,8 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
 Contract: requires regions | provides fsdp
-    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
-    | options FsdpOptions
+    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions, shard_tp
+    | numerics exact | options FsdpOptions
 
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
 BasicBlock of a ResNet stage) is one `fully_shard` unit, and the root is the last unit, holding
@@ -49,6 +49,7 @@ from retarget.core.plans import FsdpPlan, FsdpUnit
 from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
+from retarget.passes.shard.shard_tp import local_shapes
 from retarget.target.grammar import Target
 from retarget.target.precisions import LOW_DTYPES, dtype_name
 from retarget.target.strategies import FSDP_STRATEGIES
@@ -79,6 +80,8 @@ class FsdpOptions:
     """hsdp: processes per shard group (0: processes per machine)."""
     offload: bool = False
     """CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU."""
+    tp_size: int = 1
+    """fsdp+tp: the tensor-parallel degree; FSDP shards over the world / tp_size dp ranks."""
     pin_memory: str = "auto"
     """offload: pin the CPU copies (auto: only when an accelerator is present)."""
     param_dtype: str | None = None
@@ -109,6 +112,7 @@ class FsdpOptions:
             "shard": values.get("shard", 0),
             "param_dtype": dtype_name(LOW_DTYPES[precision]) if precision else None,
             "reduce_dtype": REDUCE_DTYPE if precision else None,
+            "tp_size": (target.get("tp").get("size") or 1) if "tp" in target else 1,
         }
         offload = target.get("offload")
         if offload is not None:
@@ -124,7 +128,7 @@ class FsdpOptions:
     def mesh_shape(self, world: World) -> tuple[int, ...]:
         """(size,) for a 1-D mesh; (replicate, shard) for hsdp. ValueError if it does not fit."""
         if self.strategy != "hsdp":
-            return (world.size,)
+            return (max(world.size // self.tp_size, 1),)
         return world.hsdp_mesh(self.replicate, self.shard)
 
     def pin(self) -> bool:
@@ -167,7 +171,8 @@ class ShardFsdp(Pass):
     provides = ("fsdp",)
     # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
     # (autocast) inside its own all-gather.
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
+    # fsdp+tp: fully_shard over the dp dim of the blocks tp split (torchtitan's order).
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions", "shard_tp")
     Options = FsdpOptions
 
     @classmethod
@@ -199,7 +204,7 @@ def fsdp_plan(
         strategy=options.strategy,
         world=world,
         mesh_shape=tuple(mesh),
-        mesh_dims=("replicate", "shard")[-len(mesh) :],
+        mesh_dims=("dp",) if options.tp_size > 1 else ("replicate", "shard")[-len(mesh) :],
         reshard_after_forward=options.reshard_after_forward,
         sync_module_states=options.sync_module_states,
         state_dict=options.state_dict,
@@ -229,6 +234,12 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
     units: list[Unit] = []
     taken: set[int] = set()
     notes: list[str] = []
+    # fsdp+tp: FSDP shards what tp left on each rank (tp's plan runs first).
+    split = local_shapes(program, program.plan.tp) if program.plan.tp is not None else {}
+
+    def shape(param: nn.Parameter) -> tuple[int, ...]:
+        return split.get(id(param), tuple(param.shape))
+
     whole = next((r for r in program.regions if "" in r.paths and not r.eager_only), None)
     if whole is not None and program.blocks:
         # The root's graph reads the blocks' parameters itself instead of calling the blocks,
@@ -250,7 +261,7 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
                 )
                 notes.append(f"{path}: stays in the root unit ({why})")
                 continue
-            units.append(Unit(path, group.block_type, count, tuple(tuple(p.shape) for p in params)))
+            units.append(Unit(path, group.block_type, count, tuple(shape(p) for p in params)))
             taken.update(id(p) for p in params)
     rest = [p for p in _unique(root) if id(p) not in taken]
     units.append(
@@ -258,7 +269,7 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
             ROOT_UNIT,
             type(program.original).__name__,
             sum(p.numel() for p in rest),
-            tuple(tuple(p.shape) for p in rest),
+            tuple(shape(p) for p in rest),
         )
     )
     return units, notes

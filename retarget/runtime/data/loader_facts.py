@@ -119,3 +119,15 @@ def check_shardable(loader: DataLoader, state: ProcessState, options: ShardOptio
             "shard_dataloader(even_batches=True) completes the last batches to the loader's "
             "batch size, but its batch sampler has no batch_size; use even_batches=False"
         )
+
+
+def check_agreeing(state: ProcessState, agree: ProcessState, dispatch: bool) -> ProcessState:
+    """`agree`, the processes that shuffle alike, unless dispatching would break tp: under
+    tensor parallelism `state` is the dp view and the ranks of a tp group share batches."""
+    if dispatch and agree.world_size != state.world_size:
+        raise ValueError(
+            "dispatch_batches=True under tensor parallelism: rank 0 would scatter batches to "
+            "every process, but the ranks of a tp group must get the same batch; use the "
+            "default dispatch_batches=False"
+        )
+    return agree

@@ -38,6 +38,7 @@ from retarget.runtime.data.accelerate_order import AccelerateDraws, deal_dispatc
 from retarget.runtime.data.dispatch import CollateTagged, receive_batches
 from retarget.runtime.data.loader_facts import (
     batch_size_of,
+    check_agreeing,
     check_shardable,
     drops_last,
     skip_plain,
@@ -76,20 +77,22 @@ def shard_dataloader(
     device: torch.device | str | None = None,
     seed: int | None = None,
     order: str = "seeded",
+    agree: ProcessState | None = None,
 ) -> ShardedDataLoader:
     """`loader` divided between the processes of `state` (see ShardOptions for the options).
 
     Every rank must call this together: rank 0's `seed` (by default the loader generator's or
     torch's initial seed) is broadcast so that all ranks shuffle alike; `order="accelerate"`
-    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches are
-    moved to `device` (default: the process's device).
+    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches go
+    to `device` (default: the process's); `agree` (default `state`, tp: all) share the seed.
     """
-    state = state if state is not None else ProcessState.current()
+    state = state or ProcessState.current()
+    agree = check_agreeing(state, agree or state, dispatch_batches)
     if seed is None:
         generator = loader.generator
         seed = generator.initial_seed() if generator is not None else torch.initial_seed()
     box = [int(seed) % 2**62]
-    if state.distributed:
+    if agree.distributed:
         dist.broadcast_object_list(box, src=0)
     options = ShardOptions(
         split_batches=split_batches,

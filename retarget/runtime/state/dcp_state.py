@@ -1,9 +1,11 @@
 """The model and optimizer part of a checkpoint: tensors through torch.distributed.checkpoint.
 
 `model/` holds the tensors, one file per rank (under FSDP each rank's shards, under DDP or a
-single process the full tensors, written once); `model_state.json` the rest of the model and
-optimizer state dicts (learning rates, betas, parameter names) with references to the tensors.
-Loading fills templates built from the live objects, so the model must be built as it was saved.
+single process the full tensors, written once; a tensor tp split in strides, its fused q|k|v
+parts, whole, since DCP's planner cannot place strided pieces); `model_state.json` the rest of
+the model and optimizer state dicts (learning rates, betas, parameter names) with references to
+the tensors. Loading fills templates built from the live objects, so the model must be built as
+it was saved.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -22,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from retarget.runtime.process import ProcessState
 from retarget.runtime.state.checkpoint_objects import CheckpointObjects
@@ -36,6 +40,7 @@ def save_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
     trees = _model_trees(objects, fresh)
     skeleton, tensors = encode({"models": trees}, where="model/optimizer state")
     sharded = any(isinstance(t, DTensor) for t in tensors.values())
+    tensors = {k: v.full_tensor() if _strided(v) else v for k, v in tensors.items()}
     with _dcp_context(state):
         dcp.save(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
     if state.is_main_process:
@@ -51,8 +56,15 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
     _, tensors = encode({"models": _model_trees(objects, fresh)}, where="model/optimizer state")
     _check_tensor_names(folder, tensor_names(saved["skeleton"]), set(tensors))
     _check_tensor_shapes(folder, tensors)
+    strided = {k: v for k, v in tensors.items() if _strided(v)}
+    tensors.update({k: torch.empty(v.shape, dtype=v.dtype) for k, v in strided.items()})
     with _dcp_context(state):
         dcp.load(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
+    for key, live in strided.items():
+        whole = tensors[key].to(live.device)
+        tensors[key] = distribute_tensor(
+            whole, live.device_mesh, live.placements, src_data_rank=None
+        )
     trees = decode(saved["skeleton"], tensors)["models"]
     groups = zip(objects.models, objects.optimizers, fresh, trees, strict=True)
     for model, group, flags, tree in groups:
@@ -83,6 +95,14 @@ def _model_trees(objects: CheckpointObjects, fresh: list[list[bool]]) -> list[di
         else:
             trees.append({"model": get_model_state_dict(model)})
     return trees
+
+
+def _strided(tensor: Any) -> bool:
+    """A DTensor split in strides (tp's fused q|k|v parts): DCP's planner reads its pieces as
+    contiguous chunks that overlap, so it is saved whole and split again after loading."""
+    return isinstance(tensor, DTensor) and any(
+        isinstance(p, _StridedShard) for p in tensor.placements
+    )
 
 
 def _fresh_optimizers(objects: CheckpointObjects) -> list[list[bool]]:

@@ -1,0 +1,299 @@
+"""shard_tp (`tp[size=N, plan=auto|hf|PKG.MODULE:NAME]`): split modules across a tp group.
+
+Contract: requires regions | provides tp
+    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
+    | options TpOptions
+
+Where the plan comes from (`plan=`):
+- auto: derived from the regions' graphs (`passes.shard.tp_derive.derive_tp_plan`);
+- hf: the model config's `base_model_tp_plan` (`passes.shard.tp_hand_plan.read_hand_plan`);
+- PKG.MODULE:NAME: a TpPlan record, used as given, or a dict of module path or glob -> style
+  (read by read_hand_plan).
+Both readers are imported when asked for: a build without them refuses `plan=` by name.
+
+The pass checks the plan against the model, refusing (TargetNotSupportedError, naming the
+module and why) a rule on a missing module, a style no splitter implements for that kind of
+module (core.tp_layout: nn.Linear, nn.Embedding, GPT-2's Conv1D), a split dim the degree does
+not divide (a fused q|k|v dim: each part), and the options not implemented here
+(sequence_parallel, loss_parallel). It records the plan with its per-rank parameter counts
+(`program.plan.tp`, a TpPlan); the runtime applies it with torch's parallel styles over the
+"tp" dim of the mesh (`runtime.apply_tp`), after which FSDP2 (fsdp+tp) shards over "dp".
+
+Regions: torch's styles convert each split module's inputs and outputs in module hooks, which
+a captured graph (no module boundaries inside) would skip, so every region holding a split
+module runs eagerly; the report says which.
+
+Mesh: tp alone fills the world (size = processes); with fsdp/zero2/zero3 the mesh is
+(dp, tp) = (world / size, size), tp innermost, as torchtitan lays it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from retarget.core.errors import TargetNotSupportedError
+from retarget.core.plans import TP_STYLES, TpPlan
+from retarget.core.tp_layout import COLWISE_STYLES, local_numel, module_kind, split_dims
+from retarget.frontends import EAGER
+from retarget.ir.program import Program
+from retarget.passes.base import Pass, PassResult
+from retarget.target.grammar import Target
+from retarget.target.strategies import FSDP_STRATEGIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpOptions:
+    """What `tp[...]` asks for, and whether a data-parallel strategy shares the world."""
+
+    size: int = 0
+    """The tensor-parallel degree; 0: the whole world (tp alone)."""
+    plan: str = "auto"
+    """auto | hf | PKG.MODULE:NAME (see the module docstring)."""
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    data_parallel: str = ""
+    """The fsdp-family part beside tp ("" when tp runs alone)."""
+
+    @classmethod
+    def from_target(cls, target: Target) -> TpOptions:
+        values = target.get("tp").as_dict()
+        dp = next((n for n in FSDP_STRATEGIES if n in target), "")
+        return cls(
+            size=values["size"],
+            plan=values["plan"],
+            sequence_parallel=values["sequence_parallel"],
+            loss_parallel=values["loss_parallel"],
+            data_parallel=dp,
+        )
+
+    def degree(self, world_size: int) -> int:
+        """The tp degree for a world of `world_size`; TargetNotSupportedError if it cannot be."""
+        if self.size == 0:
+            if self.data_parallel:
+                raise TargetNotSupportedError(
+                    f"{self.data_parallel}+tp: say the tensor-parallel degree, tp[size=N] (the "
+                    "data-parallel degree is then the processes / N)"
+                )
+            return world_size
+        if world_size > 1 and world_size % self.size:
+            raise TargetNotSupportedError(
+                f"tp[size={self.size}] does not divide the {world_size} processes"
+            )
+        if world_size > 1 and not self.data_parallel and self.size != world_size:
+            raise TargetNotSupportedError(
+                f"tp[size={self.size}] alone on {world_size} processes would leave "
+                f"{world_size // self.size} copies that never synchronise: use fsdp+tp[size="
+                f"{self.size}] to shard data parallel over the rest, or tp[size={world_size}]"
+            )
+        return self.size
+
+
+class ShardTp(Pass):
+    name = "shard_tp"
+    summary = "tensor parallelism: module path -> colwise/rowwise style over the tp mesh (plan)"
+    requires = ("regions",)
+    provides = ("tp",)
+    # The split modules are the final ones (fp8 is refused beside tp); each block recomputes
+    # (ac) and casts (autocast) around the DTensor ops torch's styles install.
+    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
+    Options = TpOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        if "tp" not in target:
+            return []
+        return [cls(TpOptions.from_target(target))]
+
+    def run(self, program: Program) -> PassResult:
+        options = self.options
+        _refuse_unimplemented(options)
+        size = options.degree(program.world.size)
+        plan = resolve_plan(program, options, size)
+        plan = _with_counts(check_plan(program, plan, options.data_parallel), program)
+        program.plan.tp = plan
+        eager = make_split_regions_eager(program, plan)
+        notes = [plan.describe()]
+        notes += [f"{path}: {rule.style} ({rule.reason})" for path, rule in plan.rules.items()]
+        notes += [f"{p}: each of {n} fused parts split on its own" for p, n in plan.fused.items()]
+        notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
+        notes += [f"region {name} runs eagerly (holds split modules)" for name in eager]
+        mesh = [program.world.size // size, size] if options.data_parallel else [size]
+        stats = {"size": size, "rules": len(plan.rules), "mesh": mesh}
+        return PassResult(changed=True, stats=stats, notes=tuple(notes))
+
+
+def _refuse_unimplemented(options: TpOptions) -> None:
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(options, option):
+            raise TargetNotSupportedError(
+                f"tp[{option}=true] is not implemented: shard_tp splits Linear/Embedding/Conv1D "
+                "weights with replicated activations between blocks; drop the option"
+            )
+
+
+def resolve_plan(program: Program, options: TpOptions, size: int) -> TpPlan:
+    """The TpPlan `plan=` names: derived, read from a hand plan, or a TpPlan object as given."""
+    if options.plan == "auto":
+        derive = _reader("retarget.passes.shard.tp_derive", "derive_tp_plan", "tp[plan=auto]")
+        return derive(program, size, sequence_parallel=False, loss_parallel=False)
+    if options.plan != "hf":
+        given = _referenced(options.plan)
+        if isinstance(given, TpPlan):
+            if given.size != size:
+                raise TargetNotSupportedError(
+                    f"tp[plan={options.plan}]: the plan is for size {given.size}, the target "
+                    f"asks for size {size}"
+                )
+            return given
+    read = _reader(
+        "retarget.passes.shard.tp_hand_plan", "read_hand_plan", f"tp[plan={options.plan}]"
+    )
+    return read(options.plan, program, size)
+
+
+def _reader(module: str, name: str, asked: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise TargetNotSupportedError(
+            f"{asked}: this build has no {module}.{name} ({exc}); name a TpPlan record instead, "
+            "tp[plan=PKG.MODULE:NAME]"
+        ) from exc
+
+
+def _referenced(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise TargetNotSupportedError(f"tp[plan={spec}]: cannot import it ({exc})") from exc
+
+
+def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPlan:
+    """The plan, if every rule can be applied to the model; TargetNotSupportedError if not."""
+    size = plan.size
+    for path, rule in plan.rules.items():
+        where = f"tp plan {plan.source}: module {path!r}"
+        if rule.style not in TP_STYLES:
+            raise TargetNotSupportedError(
+                f"{where}: unknown style {rule.style!r} (styles: {', '.join(TP_STYLES)})"
+            )
+        try:
+            module = program.submodule(path)
+        except AttributeError:
+            raise TargetNotSupportedError(f"{where}: the model has no such module") from None
+        if rule.style == "sequence_parallel":
+            raise TargetNotSupportedError(f"{where}: sequence_parallel is not implemented")
+        if rule.style == "replicate":
+            continue
+        kind = module_kind(module)
+        if kind is None:
+            raise TargetNotSupportedError(
+                f"{where}: a {type(module).__name__} cannot be split {rule.style}; torch's "
+                "styles here split nn.Linear, nn.Embedding and GPT-2's Conv1D"
+            )
+        parts = plan.fused.get(path, 1)
+        if parts > 1 and rule.style not in COLWISE_STYLES:
+            raise TargetNotSupportedError(
+                f"{where}: fused parts split {rule.style}; only a colwise split keeps each "
+                "part's slice on its rank"
+            )
+        for name, dim in split_dims(kind, rule.style).items():
+            param = getattr(module, name, None)
+            if param is None or dim is None:
+                continue
+            if parts > 1 and dim == 0 and data_parallel:
+                raise TargetNotSupportedError(
+                    f"{where}: {data_parallel}+tp with fused parts on dim 0 of {name}: FSDP2 "
+                    "also shards dim 0, and over tp's strided split of the parts torch 2.13 "
+                    "computes wrong gradients for it (a known limit here); use tp alone for "
+                    "this model"
+                )
+            width = param.shape[dim]
+            if width % (size * parts):
+                what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
+                raise TargetNotSupportedError(
+                    f"{where}: {name} dim {dim} ({what}) does not split evenly into {size}"
+                )
+    for path, fixes in plan.attribute_fixes.items():
+        try:
+            module = program.submodule(path)
+        except AttributeError:
+            raise TargetNotSupportedError(
+                f"tp plan {plan.source}: attribute fix on {path!r}: no such module"
+            ) from None
+        missing = [a for a in fixes if not hasattr(module, a)]
+        if missing:
+            raise TargetNotSupportedError(
+                f"tp plan {plan.source}: module {path!r} has no attribute {missing[0]!r} to set"
+            )
+    return plan
+
+
+def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, int]:
+    """(elements one rank holds, elements in all) of `root`'s parameters under `plan` (a
+    parameter shared by two modules counts once, as its first module splits it)."""
+    styles = {id(program.submodule(p)): r.style for p, r in plan.rules.items()}
+    mine = total = 0
+    seen: set[int] = set()
+    for module in root.modules():
+        kind = module_kind(module)
+        dims = split_dims(kind, styles.get(id(module), "replicate")) if kind else {}
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            mine += local_numel(tuple(param.shape), dims.get(name), plan.size)
+    return mine, total
+
+
+def local_shapes(program: Program, plan: TpPlan) -> dict[int, tuple[int, ...]]:
+    """id(parameter) -> the shape one tp rank holds, for the parameters the plan splits (what
+    FSDP then shards over dp)."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for path, rule in plan.rules.items():
+        module = program.submodule(path)
+        kind = module_kind(module)
+        for name, dim in (split_dims(kind, rule.style) if kind else {}).items():
+            param = getattr(module, name, None)
+            if param is None or dim is None or id(param) in shapes:
+                continue
+            shape = list(param.shape)
+            shape[dim] //= plan.size
+            shapes[id(param)] = tuple(shape)
+    return shapes
+
+
+def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
+    """The plan with its per-rank counts: the whole model's and each repeated block's."""
+    mine, total = per_rank_of(program, plan, program.module)
+    blocks = {
+        path: per_rank_of(program, plan, program.submodule(path))
+        for group in program.blocks
+        for path in group.paths
+    }
+    return dataclasses.replace(plan, per_rank_numel=mine, total_numel=total, blocks=blocks)
+
+
+def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:
+    """Mark every region that holds a split module eager-only; their names."""
+    split = [p for p, r in plan.rules.items() if r.style != "replicate"]
+    names = []
+    for region in program.regions:
+        if any(_inside(path, region_path) for path in split for region_path in region.paths):
+            region.frontend, region.eager_only = EAGER, True
+            region.reason = "tp: torch's parallel styles convert inputs and outputs in hooks"
+            region.failures = []
+            region.graphs.clear()
+            names.append(region.name)
+    return names
+
+
+def _inside(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")

@@ -1,0 +1,155 @@
+"""Apply a TpPlan: torch's parallel styles on the planned modules, over the "tp" mesh dim.
+
+`apply_tp(module, plan, mesh)` calls `torch.distributed.tensor.parallel.parallelize_module` on
+each planned module with the style its rule names, then sets the per-rank attribute values
+(`plan.attribute_fixes`, e.g. GPT-2's `split_size`). Parameters become DTensors; inputs and
+outputs are converted by the styles' own hooks, so the model code between two split modules
+sees plain local tensors (colwise output: this rank's slice of the features; rowwise output:
+the whole, all-reduced by DTensor).
+
+Styles (core.plans.TP_STYLES) and what realises each:
+- colwise / colwise_rep / rowwise / rowwise_rep on nn.Linear and nn.Embedding: torch's
+  ColwiseParallel / RowwiseParallel themselves;
+- the same on GPT-2's Conv1D (weight [in, out]) and on a module with fused parts (q|k|v along
+  its output dim, `plan.fused`): `SplitColwise` / `SplitRowwise`, subclasses of torch's styles
+  that only change how the parameters are distributed (the dims come from core.tp_layout). A
+  fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
+  slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
+  `full_tensor()`, state_dict and DCP see the unfused-order weight;
+- sequence_parallel: torch's SequenceParallel; replicate: nothing.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from retarget.core.plans import TpPlan
+from retarget.core.tp_layout import module_kind, split_dims
+
+
+def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
+    """Split `module`'s planned submodules over the 1-D `mesh`; the paths split, in order."""
+    done = []
+    for path, rule in plan.rules.items():
+        target = module.get_submodule(path)
+        style = style_for(rule.style, target, plan.fused.get(path, 1))
+        if style is None:
+            continue
+        parallelize_module(target, mesh, style)
+        done.append(path)
+    for path, values in plan.attribute_fixes.items():
+        target = module.get_submodule(path)
+        for attribute, value in values.items():
+            setattr(target, attribute, value)
+    return done
+
+
+def style_for(style: str, module: nn.Module, parts: int = 1) -> Any:
+    """The ParallelStyle that realises `style` on `module` (None for replicate)."""
+    if style == "replicate":
+        return None
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    kind = module_kind(module)
+    plain = kind in ("linear", "embedding") and parts == 1
+    if style == "colwise":
+        return ColwiseParallel() if plain else SplitColwise(kind, parts)
+    if style == "colwise_rep":
+        if plain:
+            return ColwiseParallel(output_layouts=Replicate())
+        return SplitColwise(kind, parts, output_layouts=Replicate())
+    if style == "rowwise":
+        return RowwiseParallel() if plain else SplitRowwise(kind)
+    if style == "rowwise_rep":
+        if plain:
+            return RowwiseParallel(input_layouts=Replicate())
+        return SplitRowwise(kind, input_layouts=Replicate())
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+def _distribute_params(
+    module: nn.Module, mesh: Any, kind: str, style: str, parts: int, src_data_rank: int | None
+) -> None:
+    for name, dim in split_dims(kind, style).items():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        if dim is None:
+            placement: Any = Replicate()
+        elif parts > 1:
+            placement = _StridedShard(dim, split_factor=parts)
+        else:
+            placement = Shard(dim)
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+class SplitColwise(ColwiseParallel):
+    """ColwiseParallel for Conv1D and fused-output modules: parameters split by the layout
+    table (fused parts one by one), input and output handled as torch's ColwiseParallel does."""
+
+    def __init__(self, kind: str, parts: int = 1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.kind, self.parts = kind, parts
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        style = "colwise_rep" if self.output_layouts == (Replicate(),) else "colwise"
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _distribute_params(
+                mod, mesh, self.kind, style, self.parts, self.src_data_rank
+            ),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(_colwise_output, self.output_layouts, self.use_local_output),
+        )
+
+
+def _colwise_output(
+    output_layouts: tuple[Any, ...], use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any
+) -> Any:
+    """Output of a colwise split: kept as sharded on the last dim (a strided shard of fused
+    parts stays strided: its local tensor is [q_r|k_r|v_r], what the model code splits), or
+    gathered whole when the style asks for Replicate."""
+    dim = getattr(outputs.placements[0], "dim", None)  # Shard and _StridedShard have one
+    last = dim in (-1, outputs.ndim - 1)
+    if output_layouts[0].is_replicate() or not last:
+        outputs = outputs.redistribute(placements=output_layouts)
+    return outputs.to_local() if use_local_output else outputs
+
+
+class SplitRowwise(RowwiseParallel):
+    """RowwiseParallel for Conv1D: weight split on its input dim (dim 0 of [in, out]), bias
+    kept whole; input and output handled as torch's RowwiseParallel does for nn.Linear."""
+
+    def __init__(self, kind: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        self.desired_input_layouts = (Replicate(),) if self.kind == "embedding" else (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _distribute_params(
+                mod, mesh, self.kind, "rowwise", 1, self.src_data_rank
+            ),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def is_split(param: Any) -> bool:
+    """Whether a parameter is a DTensor (split or placed by tp or fsdp)."""
+    return isinstance(param, DTensor)

@@ -1,0 +1,239 @@
+"""Small models and their tensor-parallel plans, for the tp tests.
+
+Plans are TpPlan records built here, from the model config's `base_model_tp_plan` where
+transformers ships one (Llama, Qwen2, GPT-NeoX) and written by hand for the others (GPT-2,
+BERT, an MLP), with the globs expanded over the model's own module names. A target names them
+as `tp[plan=tests.tp_models:NAME]` (a TpPlan instance is used as given, after checks).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from retarget.core.plans import TpPlan, TpRule
+from tests import zoo
+
+HIDDEN, HEADS, LAYERS, INTER, VOCAB = 32, 4, 2, 64, zoo.VOCAB
+
+
+def _dropout_off(model: nn.Module) -> nn.Module:
+    """Dropout off: N ranks and one process would draw different masks."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,  # GQA: 2 key/value heads for 4 query heads
+        max_position_embeddings=64,
+    )
+    return _dropout_off(LlamaForCausalLM(config))
+
+
+def qwen2() -> nn.Module:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return _dropout_off(Qwen2ForCausalLM(config))
+
+
+def neox() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=64,
+    )
+    return _dropout_off(GPTNeoXForCausalLM(config))
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=INTER,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    return _dropout_off(model)
+
+
+def bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    return _dropout_off(BertForSequenceClassification(config))
+
+
+class Mlp(nn.Module):
+    """Two residual MLP blocks and a head: a model with nothing but Linears to split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, INTER), nn.GELU(), nn.Linear(INTER, HIDDEN))
+            for _ in range(LAYERS)
+        )
+        self.head = nn.Linear(HIDDEN, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return Mlp().train()
+
+
+def expand(model: nn.Module, globs: Mapping[str, str], prefix: str = "") -> dict[str, str]:
+    """module path -> style for every module whose path (under `prefix`) matches a glob."""
+    rules = {}
+    for path, _ in model.named_modules():
+        for glob, style in globs.items():
+            if fnmatch.fnmatchcase(path, prefix + glob):
+                rules[path] = style
+    return rules
+
+
+def plan_of(
+    model: nn.Module,
+    size: int,
+    styles: Mapping[str, str],
+    *,
+    fused: Mapping[str, int] | None = None,
+    fixes: Mapping[str, Mapping[str, int]] | None = None,
+) -> TpPlan:
+    return TpPlan(
+        size=size,
+        source="tests.tp_models",
+        rules={p: TpRule(style=s, reason="test plan") for p, s in styles.items()},
+        fused=dict(fused or {}),
+        attribute_fixes={k: dict(v) for k, v in (fixes or {}).items()},
+    )
+
+
+def hf_plan(model: nn.Module, size: int) -> TpPlan:
+    """The config's base_model_tp_plan, under the base model's attribute name."""
+    prefix = model.base_model_prefix + "."
+    return plan_of(model, size, expand(model, model.config.base_model_tp_plan, prefix))
+
+
+def gpt2_plan(model: nn.Module, size: int) -> TpPlan:
+    globs = {
+        "h.*.attn.c_attn": "colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    }
+    styles = expand(model, globs, "transformer.")
+    attn = [p for p in styles if p.endswith("c_attn")]
+    parents = [p.rsplit(".", 1)[0] for p in attn]
+    fixes = {p: {"split_size": HIDDEN // size, "num_heads": HEADS // size} for p in parents}
+    return plan_of(model, size, styles, fused={p: 3 for p in attn}, fixes=fixes)
+
+
+def bert_plan(model: nn.Module, size: int) -> TpPlan:
+    globs = {
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    }
+    styles = expand(model, globs, "bert.")
+    fixes = {
+        p.rsplit(".", 1)[0]: {"num_attention_heads": HEADS // size, "all_head_size": HIDDEN // size}
+        for p in styles
+        if p.endswith(".query")
+    }
+    return plan_of(model, size, styles, fixes=fixes)
+
+
+def mlp_plan(model: nn.Module, size: int) -> TpPlan:
+    return plan_of(model, size, expand(model, {"blocks.*.0": "colwise", "blocks.*.2": "rowwise"}))
+
+
+#: name -> (model builder, plan builder, input kind)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, int], TpPlan], str]] = {
+    "mlp": (mlp, mlp_plan, "vector"),
+    "llama": (llama, hf_plan, "lm"),
+    "qwen2": (qwen2, hf_plan, "lm"),
+    "neox": (neox, hf_plan, "lm"),
+    "gpt2": (gpt2, gpt2_plan, "lm"),
+    "bert": (bert, bert_plan, "cls"),
+}
+
+
+def batch_for(kind: str, rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "vector":
+        return {"x": torch.randn(rows, HIDDEN, generator=gen)}
+    ids = torch.randint(1, VOCAB, (rows, zoo.SEQ), generator=gen)
+    if kind == "cls":
+        return {"input_ids": ids, "labels": torch.randint(0, 3, (rows,), generator=gen)}
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "x" in batch:
+        return model(batch["x"]).float().pow(2).mean()
+    return model(**batch).loss
+
+
+def __getattr__(name: str) -> TpPlan:
+    """Plan constants a target can name: LLAMA_2 is the Llama plan at size 2, GPT2_4 ..."""
+    model, _, size = name.rpartition("_")
+    if model.lower() not in MODELS or not size.isdigit():
+        raise AttributeError(name)
+    build, make_plan, _ = MODELS[model.lower()]
+    return make_plan(build(), int(size))
