@@ -19,9 +19,8 @@ Three ways to read, same batches:
 - `dispatch_batches=True`: rank 0 alone reads and collates every rank's batch and scatters them
   (`scatter_object_list`); the other ranks never touch the dataset.
 
-In a world of one nothing is padded or sent: the loader's own batches in the seeded order.
-`active_loader()` is the loader being iterated (a stack for nested loops): `gather_for_metrics`
-and gradient accumulation read its `end_of_dataloader`, `remainder` and `duplicates`.
+In a world of one nothing is padded or sent. `active_loader()` is the loader being iterated
+(a stack): gather_for_metrics and accumulation read its end_of_dataloader and remainder.
 """
 
 from __future__ import annotations
@@ -106,11 +105,9 @@ def shard_dataloader(
 def skip_first_batches(loader: Any, num_batches: int) -> Any:
     """A loader whose next iteration starts after `num_batches` batches of the current epoch.
 
-    For a ShardedDataLoader the order is the uninterrupted epoch's (seeded by epoch); later
-    iterations are whole epochs. For a plain DataLoader the skipped batches of a map-style
-    dataset are never loaded; its shuffle is the uninterrupted one only if torch's RNG is
-    restored to the state it had at the start of that epoch.
-    """
+    A ShardedDataLoader keeps the uninterrupted epoch's order; later iterations are whole
+    epochs. A plain DataLoader never loads the skipped samples of a map-style dataset; its
+    shuffle is the uninterrupted one only if torch's RNG is as at that epoch's start."""
     if num_batches < 0:
         raise ValueError(f"skip_first_batches: num_batches={num_batches} must be >= 0")
     if isinstance(loader, ShardedDataLoader):
