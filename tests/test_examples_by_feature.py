@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ INVOCATIONS: dict[str, list[list[str]]] = {
     "automatic_gradient_accumulation.py": [[]],
     "checkpointing.py": [
         ["--output_dir", "{out}/run"],
-        ["--output_dir", "{out}/resumed", "--resume_from_checkpoint", "{out}/run/step_6"],
+        ["--output_dir", "{out}/resumed", "--resume_from_checkpoint", "{out}/run/step_8"],
     ],
     "cross_validation.py": [[]],
     "ddp_comm_hook.py": [["--comm_hook", "fp16"]],
@@ -84,8 +85,11 @@ def _command(path: Path, processes: int) -> list[str]:
 def _start(path: Path, processes: int, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [a.format(out=path.parent / "out") for a in args]
+    # A session of its own: on a timeout the launcher and every rank it started are killed
+    # together (a rank left behind would hold the output pipe open).
     return subprocess.Popen(
         _command(path, processes) + args,
+        start_new_session=True,
         cwd=path.parent,
         env=env,
         stdout=subprocess.PIPE,
@@ -98,7 +102,7 @@ def _metric_lines(process: subprocess.Popen, who: str) -> list[str]:
     try:
         output, _ = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         raise AssertionError(f"{who} ran over 300 s:\n{output[-4000:]}") from None
     assert process.returncode == 0, f"{who} failed:\n{output[-4000:]}"

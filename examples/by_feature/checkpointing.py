@@ -2,11 +2,13 @@
 that resumes with `accelerator.load_state(folder)` and `accelerator.skip_first_batches`.
 
     python checkpointing.py --output_dir ckpt
-    python checkpointing.py --output_dir ckpt --resume_from_checkpoint ckpt/step_6
+    python checkpointing.py --output_dir ckpt --resume_from_checkpoint ckpt/step_8
     accelerate launch --cpu --num_processes 2 checkpointing.py --output_dir ckpt
 
-The resumed run prints the same metrics as the uninterrupted one for the epochs it trains (the
-first of them: its remaining steps' losses).
+The resumed run prints the same metrics as the uninterrupted one for the epochs it trains. The
+tests resume from step_8, an epoch's end on 1 and on 2 processes. Resumed mid-epoch (step_6),
+retarget continues the uninterrupted run on 1 and 2 processes, and so does Accelerate 1.15 on
+1 process; on 2 processes its resumed epoch draws other batches.
 """
 
 import os
@@ -26,7 +28,7 @@ from torch.optim import AdamW
 
 def main() -> None:
     parser = parse_args(__doc__.splitlines()[0])
-    parser.add_argument("--checkpointing_steps", type=int, default=3)
+    parser.add_argument("--checkpointing_steps", type=int, default=4)
     parser.add_argument("--output_dir", default="checkpoints")
     parser.add_argument("--resume_from_checkpoint", default=None)
     args = parser.parse_args()

@@ -18,12 +18,13 @@ from common import (
     print_metrics,
     train_one_epoch,
 )
-from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from torch.optim import AdamW
 
 
 def logged_scalars(logging_dir: str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar the event files under `logging_dir` hold: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
     runs = EventMultiplexer().AddRunsFromDirectory(logging_dir)
     runs.Reload()
     return {
