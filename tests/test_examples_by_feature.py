@@ -29,7 +29,7 @@ INVOCATIONS: dict[str, list[list[str]]] = {
     "automatic_gradient_accumulation.py": [[]],
     "checkpointing.py": [
         ["--output_dir", "{out}/run"],
-        ["--output_dir", "{out}/resumed", "--resume_from_checkpoint", "{out}/run/step_8"],
+        ["--output_dir", "{out}/resumed", "--resume_from_checkpoint", "{out}/run/step_3"],
     ],
     "cross_validation.py": [[]],
     "ddp_comm_hook.py": [["--comm_hook", "fp16"]],
@@ -85,8 +85,7 @@ def _command(path: Path, processes: int) -> list[str]:
 def _start(path: Path, processes: int, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [a.format(out=path.parent / "out") for a in args]
-    # A session of its own: on a timeout the launcher and every rank it started are killed
-    # together (a rank left behind would hold the output pipe open).
+    # A session of its own, so that a timed-out run can be killed with what it started.
     return subprocess.Popen(
         _command(path, processes) + args,
         start_new_session=True,
@@ -102,8 +101,14 @@ def _metric_lines(process: subprocess.Popen, who: str) -> list[str]:
     try:
         output, _ = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        # torchrun starts each rank in a session of its own: SIGTERM makes it stop them; a
+        # launcher that does not (or a plain run) is then killed with its process group.
+        process.terminate()
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate(timeout=10)
         raise AssertionError(f"{who} ran over 300 s:\n{output[-4000:]}") from None
     assert process.returncode == 0, f"{who} failed:\n{output[-4000:]}"
     lines = [line for line in output.splitlines() if line.startswith("METRIC ")]

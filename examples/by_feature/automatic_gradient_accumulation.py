@@ -5,7 +5,7 @@ asked for (--batch_size), as far as it divides.
 The device is played by `reserve_activation_memory` (common.py), as in memory.py.
 
     python automatic_gradient_accumulation.py
-    accelerate launch --cpu --num_processes 2 automatic_gradient_accumulation.py
+    python -m torch.distributed.run --nproc_per_node 2 automatic_gradient_accumulation.py
 """
 
 from accelerate import Accelerator, find_executable_batch_size

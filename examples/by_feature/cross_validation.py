@@ -3,7 +3,7 @@
 `gather_for_metrics`, and the folds' averaged logits scored as an ensemble.
 
     python cross_validation.py
-    accelerate launch --cpu --num_processes 2 cross_validation.py --num_folds 3
+    python -m torch.distributed.run --nproc_per_node 2 cross_validation.py --num_folds 3
 """
 
 import torch

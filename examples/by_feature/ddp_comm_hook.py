@@ -4,7 +4,7 @@ gradients in fp16 (or bf16, or PowerSGD's low-rank form) instead of fp32.
 With one process there is no gradient communication and the hook has nothing to do.
 
     python ddp_comm_hook.py
-    accelerate launch --cpu --num_processes 2 ddp_comm_hook.py --comm_hook fp16
+    python -m torch.distributed.run --nproc_per_node 2 ddp_comm_hook.py --comm_hook fp16
 """
 
 from accelerate import Accelerator, DDPCommunicationHookType, DistributedDataParallelKwargs

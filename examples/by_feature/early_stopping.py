@@ -3,7 +3,7 @@ calls `accelerator.set_trigger()`; `accelerator.check_trigger()` is then True on
 process at the same step, so all of them leave the loop together.
 
     python early_stopping.py
-    accelerate launch --cpu --num_processes 2 early_stopping.py
+    python -m torch.distributed.run --nproc_per_node 2 early_stopping.py
 """
 
 from accelerate import Accelerator

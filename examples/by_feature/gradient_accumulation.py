@@ -3,7 +3,7 @@
 the loader (the last window here is partial: 5 batches per process in one process).
 
     python gradient_accumulation.py
-    accelerate launch --cpu --num_processes 2 gradient_accumulation.py
+    python -m torch.distributed.run --nproc_per_node 2 gradient_accumulation.py
 """
 
 import torch

@@ -2,7 +2,7 @@
 averaged over processes every `local_sgd_steps` optimizer steps (`LocalSGD`).
 
     python local_sgd.py
-    accelerate launch --cpu --num_processes 2 local_sgd.py --local_sgd_steps 2
+    python -m torch.distributed.run --nproc_per_node 2 local_sgd.py --local_sgd_steps 2
 """
 
 from accelerate import Accelerator

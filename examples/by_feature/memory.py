@@ -5,7 +5,7 @@ The device is played by `reserve_activation_memory` (common.py): batches over
 --max_device_batch_size fail with torch's own CPU out-of-memory error.
 
     python memory.py
-    accelerate launch --cpu --num_processes 2 memory.py
+    python -m torch.distributed.run --nproc_per_node 2 memory.py
 """
 
 from accelerate import Accelerator, find_executable_batch_size

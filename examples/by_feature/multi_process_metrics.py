@@ -6,7 +6,7 @@ The eval set (37 samples) does not split evenly over 2 processes x batches of 8.
 count done by hand with `accelerator.gather` shows what gather_for_metrics saves you.
 
     python multi_process_metrics.py
-    accelerate launch --cpu --num_processes 2 multi_process_metrics.py
+    python -m torch.distributed.run --nproc_per_node 2 multi_process_metrics.py
 """
 
 import torch

@@ -2,7 +2,7 @@
 around the first epoch and writes a Chrome trace per process to `output_trace_dir`.
 
     python profiler.py --output_dir traces
-    accelerate launch --cpu --num_processes 2 profiler.py --output_dir traces
+    python -m torch.distributed.run --nproc_per_node 2 profiler.py --output_dir traces
 
 The operator table differs between libraries that run the model differently; the metrics,
 the trace files written and the profiled training steps do not.

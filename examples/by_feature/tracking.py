@@ -4,7 +4,7 @@
 At the end the main process reads the TensorBoard event files back and prints what they hold.
 
     python tracking.py --output_dir runs
-    accelerate launch --cpu --num_processes 2 tracking.py --output_dir runs
+    python -m torch.distributed.run --nproc_per_node 2 tracking.py --output_dir runs
 """
 
 from accelerate import Accelerator
