@@ -11,6 +11,7 @@ The device is played by `reserve_activation_memory` (common.py), as in memory.py
 from accelerate import Accelerator, find_executable_batch_size
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -63,7 +64,7 @@ def main() -> None:
             )
 
     train()
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -73,7 +74,8 @@ def main() -> None:
             train_losses=gathered_losses(accelerator, losses),
             **metrics,
         )
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

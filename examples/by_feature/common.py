@@ -147,6 +147,17 @@ def gathered_losses(accelerator, losses: list[torch.Tensor]) -> list[float]:
     return accelerator.gather(torch.stack(losses).detach()).tolist()
 
 
+def end_training(accelerator) -> None:
+    """`accelerator.end_training()` (which destroys the process group) after the prepared
+    models are freed: the caller drops its own references first (`del model`).
+
+    A DDP model keeps its process group alive. Freed after the group is destroyed, at
+    interpreter exit, it runs the group's destructor, and torch 2.13's gloo can deadlock there
+    (the destructor joins a worker thread that waits for the GIL); seen under Accelerate."""
+    accelerator.free_memory()
+    accelerator.end_training()
+
+
 def print_metrics(accelerator, label: str, **metrics: object) -> None:
     """One `METRIC <label> {...}` line on the main process; floats print in full (repr), so
     two runs compare exactly. The tests compare these lines between libraries."""

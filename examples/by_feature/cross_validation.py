@@ -10,6 +10,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     gathered_losses,
     make_datasets,
     make_model,
@@ -73,7 +74,8 @@ def main() -> None:
         print_metrics(accelerator, f"fold {fold} test", accuracy=accuracy(logits, test_labels))
     ensemble = torch.stack(test_logits).mean(0)
     print_metrics(accelerator, "ensemble test", accuracy=accuracy(ensemble, test_labels))
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

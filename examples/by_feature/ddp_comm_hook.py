@@ -10,6 +10,7 @@ With one process there is no gradient communication and the hook has nothing to 
 from accelerate import Accelerator, DDPCommunicationHookType, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -45,7 +46,8 @@ def main() -> None:
             train_losses=gathered_losses(accelerator, losses),
             **metrics,
         )
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

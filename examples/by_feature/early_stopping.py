@@ -9,6 +9,7 @@ process at the same step, so all of them leave the loop together.
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -56,7 +57,8 @@ def main() -> None:
         if stopped:
             break
     print_metrics(accelerator, "stopped", at=stopped)
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

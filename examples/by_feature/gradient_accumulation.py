@@ -10,6 +10,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -52,7 +53,8 @@ def main() -> None:
             optimizer_steps=optimizer_steps,
             **metrics,
         )
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

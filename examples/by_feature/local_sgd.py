@@ -9,6 +9,7 @@ from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -51,7 +52,8 @@ def main() -> None:
             train_losses=gathered_losses(accelerator, losses),
             **metrics,
         )
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

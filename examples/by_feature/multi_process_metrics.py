@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     gathered_losses,
     make_loaders,
     make_model,
@@ -65,7 +66,8 @@ def main() -> None:
             train_losses=gathered_losses(accelerator, losses),
             **counts,
         )
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 from accelerate import Accelerator, ProfileKwargs
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -60,7 +61,8 @@ def main() -> None:
             **metrics,
         )
     print_metrics(accelerator, "traces", files=sorted(os.listdir(args.output_dir)))
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

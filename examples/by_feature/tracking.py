@@ -10,6 +10,7 @@ At the end the main process reads the TensorBoard event files back and prints wh
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import (
+    end_training,
     evaluate,
     gathered_losses,
     make_loaders,
@@ -54,7 +55,8 @@ def main() -> None:
         metrics = evaluate(accelerator, model, eval_loader)
         accelerator.log({"train_loss": sum(losses) / len(losses), **metrics}, step=epoch)
         print_metrics(accelerator, f"epoch {epoch}", train_losses=losses, **metrics)
-    accelerator.end_training()
+    del model  # see common.end_training
+    end_training(accelerator)
     if accelerator.is_main_process:
         print_metrics(accelerator, "logged", scalars=logged_scalars(args.output_dir))
 
