@@ -37,11 +37,20 @@ _LAZY_NAMES = {
         "retarget.accelerate.precision_kwargs",
     ),
     **dict.fromkeys(
-        ("DistributedDataParallelKwargs", "InitProcessGroupKwargs", "ProfileKwargs"),
+        (
+            "DDPCommunicationHookType",
+            "DistributedDataParallelKwargs",
+            "InitProcessGroupKwargs",
+            "ProfileKwargs",
+        ),
         "retarget.accelerate.process_kwargs",
     ),
     "ProjectConfiguration": "retarget.accelerate.arguments",
     "TorchDynamoPlugin": "retarget.accelerate.dynamo",
+    # accelerate's top level offers these utils too; scripts import them from either.
+    "find_executable_batch_size": "retarget.utils.memory",
+    "debug_launcher": "retarget.utils.launchers",
+    "notebook_launcher": "retarget.utils.launchers",
     "init_empty_weights": "retarget.bigmodel.empty_init",
     "init_on_device": "retarget.bigmodel.empty_init",
     "infer_auto_device_map": "retarget.bigmodel.device_map",

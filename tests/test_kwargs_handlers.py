@@ -273,3 +273,19 @@ def test_accelerates_own_handlers_convert():
     )
     # Accelerate's default backend ("nccl") is not passed on, as Accelerate itself does not.
     assert handlers[InitProcessGroupKwargs].backend is None
+
+
+def test_ddp_communication_hook_type_has_accelerates_members_and_maps_as_its_strings():
+    from accelerate.utils import DDPCommunicationHookType as Theirs
+
+    from retarget import DDPCommunicationHookType
+
+    assert {m.name: m.value for m in DDPCommunicationHookType} == {m.name: m.value for m in Theirs}
+    parts = {"FP16": "ddp+fp16-comm", "BF16": "ddp+bf16-comm", "POWER_SGD": "ddp+powersgd"}
+    for member, target in parts.items():
+        handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType[member])
+        assert target_of(handler) == target
+    with pytest.raises(KwargsHandlerError, match="comm_hook"):
+        target_of(
+            DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BATCHED_POWER_SGD)
+        )

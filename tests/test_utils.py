@@ -264,3 +264,15 @@ def test_launchers_in_process_and_refusals(tmp_path):
     finally:
         torch.distributed.destroy_process_group()
     assert ran == ["here"]
+
+
+def test_accelerates_import_paths_reach_the_same_helpers():
+    # Scripts migrate by changing `accelerate` to `retarget` in their import lines.
+    import retarget
+    from retarget.local_sgd import LocalSGD as FromModule
+    from retarget.utils import debug_launcher, find_executable_batch_size, notebook_launcher
+
+    assert FromModule is LocalSGD
+    assert retarget.find_executable_batch_size is find_executable_batch_size
+    assert retarget.debug_launcher is debug_launcher
+    assert retarget.notebook_launcher is notebook_launcher

@@ -235,6 +235,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             example = example_inputs_for(model, loaders[0], per_rank, where)
         compiled = compile_for(model, self.target, example_inputs=example)
         compiled.runtime.gradient_accumulation_steps = self.gradient_accumulation_steps
+        # Accelerate divides every micro-step's loss by N, also in a window the end of the data
+        # cuts short: scripts migrated from it must see the same gradients.
+        compiled.runtime.average_short_windows = False
         self._models.append(compiled)
         return compiled
 

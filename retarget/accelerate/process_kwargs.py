@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,23 @@ import torch
 from retarget.accelerate.kwargs_base import KwargsHandler, KwargsHandlerError, TargetDraft
 from retarget.target.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 
-__all__ = ["DistributedDataParallelKwargs", "InitProcessGroupKwargs", "ProfileKwargs"]
+__all__ = [
+    "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs",
+    "InitProcessGroupKwargs",
+    "ProfileKwargs",
+]
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's names for `comm_hook=` and `comm_wrapper=` (plain strings work too)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+    """Refused by DistributedDataParallelKwargs: torch's hook fails on CPU."""
 
 
 def _word(value: Any) -> str:

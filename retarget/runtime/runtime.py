@@ -94,6 +94,9 @@ class Runtime(ProcessStateFacade):
         """Micro-steps done in the current window (saved and restored by checkpoints)."""
         self.sync_gradients = True
         """Whether the current micro-step ends its window (gradients sync, optimizer steps)."""
+        self.average_short_windows = True
+        """Whether a window cut short by the end of the data averages its own k micro-steps
+        (gradients times N/k); False keeps Accelerate's rule: every loss divided by N."""
         self.step_was_skipped = False
         """fp16: whether the last optimizer step was skipped for inf/nan gradients."""
         self.scaler: LossScaler | None = make_loss_scaler(self.program.plan, self.state.device)
@@ -270,7 +273,7 @@ class Runtime(ProcessStateFacade):
             return
         if not window.sync:
             self._held.hold(self.model.parameters())
-        else:
+        elif self.average_short_windows:
             scale_gradients(self.model.parameters(), window.rescale)
 
     def clip_grad_norm_(
