@@ -28,7 +28,7 @@ from retarget.core.plans import TpPlan, TpRule
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.capture.capture_regions import record_inputs
-from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, find_chains
+from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, HandPlanConflict, find_chains
 from retarget.passes.shard.tp_params import is_linear_like, is_norm, plan_numel
 from retarget.passes.shard.tp_widths import WidthCheck
 
@@ -51,13 +51,13 @@ def derive_tp_plan(
     rules: dict[str, TpRule] = {}
     fixes: dict[str, dict[str, int]] = {}
     fused: dict[str, int] = {}
-    inputs = _block_inputs(program)
+    inputs = block_inputs(program)
     for region in program.regions:
         block = plan_block(program, region, size, inputs.get(region.paths[0]), sequence_parallel)
         for base in region.paths:
-            rules.update({_join(base, p): rule for p, rule in block.rules.items()})
-            fixes.update({_join(base, p): dict(f) for p, f in block.fixes.items()})
-            fused.update({_join(base, p): n for p, n in block.fused.items()})
+            rules.update({join_path(base, p): rule for p, rule in block.rules.items()})
+            fixes.update({join_path(base, p): dict(f) for p, f in block.fixes.items()})
+            fused.update({join_path(base, p): n for p, n in block.fused.items()})
     blocks = [path for region in program.regions for path in region.paths]
     rules.update(outside_rules(program.module, rules, blocks, sequence_parallel))
     rules.update(vocab_rules(program.module, size, loss_parallel))
@@ -77,7 +77,7 @@ def derive_tp_plan(
     )
 
 
-def _block_inputs(program: Program) -> dict:
+def block_inputs(program: Program) -> dict:
     if program.example is None:
         return {}
     firsts = [r.paths[:1] for r in program.regions if r.representative() is not None]
@@ -101,11 +101,18 @@ def state_outputs(graph) -> int:
 
 
 def plan_block(
-    program: Program, region: Region, size: int, inputs, sequence_parallel: bool
+    program: Program,
+    region: Region,
+    size: int,
+    inputs,
+    sequence_parallel: bool,
+    forced: dict[str, str] | None = None,
 ) -> BlockPlan:
+    """One region's rules; with `forced` (a hand plan's styles, relative paths) a chain the
+    block cannot run split is a HandPlanConflict instead of a replicated chain."""
     block = program.submodule(region.paths[0])
     plan = BlockPlan()
-    analysis = analyse_region(program, region, size)
+    analysis = analyse_region(program, region, size, forced=forced)
     if analysis is None:
         why = region.reason or "not captured yet (no example inputs)"
         for path, module in block.named_modules():
@@ -119,12 +126,16 @@ def plan_block(
         check = WidthCheck(block, *inputs, analysis.linears, size)
         for chain in complete:
             found, why = check.chain_fixes(chain)
+            if why and forced is not None:
+                raise HandPlanConflict(
+                    f"the hand plan splits {', '.join(chain.members)} in {region.name}, but {why}"
+                )
             if why:
                 chain.breaks.append(why)
             for path, name, value in found:
                 plan.fixes.setdefault(path, {})[name] = value
     for chain in analysis.chains:
-        _chain_rules(chain, plan)
+        chain_rules(chain, plan)
     for path, module in block.named_modules():
         if path not in plan.rules and is_linear_like(module):
             plan.rules[path] = TpRule(
@@ -145,7 +156,7 @@ def plan_block(
     return plan
 
 
-def _chain_rules(chain: Chain, plan: BlockPlan) -> None:
+def chain_rules(chain: Chain, plan: BlockPlan) -> None:
     if chain.complete:
         closed = ", ".join(chain.rowwise)
         for path in chain.colwise:
@@ -241,5 +252,5 @@ def _hf_module(model: nn.Module, method: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) and hasattr(module, "weight") else None
 
 
-def _join(base: str, relative: str) -> str:
+def join_path(base: str, relative: str) -> str:
     return ".".join(p for p in (base, relative) if p)
