@@ -135,3 +135,117 @@ def test_mlp_only_model_splits_up_and_down_and_replicates_the_head():
     styles = {p: r.style for p, r in plan.rules.items()}
     assert styles == {"up": "colwise", "down": "rowwise", "head": "replicate"}
     assert "leaves the region sharded" in plan.rules["head"].reason
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral"])
+def test_llama_family_members_get_the_same_chains(name):
+    plan = derive_tp_plan(_program(name), 2)
+    assert _styles(plan, "model.layers.1") == LLAMA_STYLES
+
+
+def test_qwen3_per_head_norms_stay_whole_with_their_gradient_all_reduce_named():
+    plan = derive_tp_plan(_program("qwen3"), 2)
+    styles = _styles(plan, "model.layers.0")
+    assert {k: v for k, v in styles.items() if k in LLAMA_STYLES} == LLAMA_STYLES
+    q_norm = plan.rules["model.layers.0.self_attn.q_norm"]
+    assert q_norm.style == "replicate" and "all-reduced" in q_norm.reason
+
+
+def test_gpt_neox_fused_qkv_split_per_head_needs_no_fused_parts():
+    plan = derive_tp_plan(_program("gpt_neox"), 2)
+    assert _styles(plan, "gpt_neox.layers.0") == {
+        "attention.query_key_value": "colwise",
+        "attention.dense": "rowwise",
+        "mlp.dense_h_to_4h": "colwise",
+        "mlp.dense_4h_to_h": "rowwise",
+    }
+    assert plan.fused == {}
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _program("gpt2")
+
+
+def test_gpt2_conv1d_c_attn_is_fused_three_ways_with_widths_fixed(gpt2):
+    plan = derive_tp_plan(gpt2, 2)
+    assert _styles(plan, "transformer.h.0") == {
+        "attn.c_attn": "colwise",
+        "attn.c_proj": "rowwise",
+        "mlp.c_fc": "colwise",
+        "mlp.c_proj": "rowwise",
+    }
+    assert plan.fused == {"transformer.h.0.attn.c_attn": 3, "transformer.h.1.attn.c_attn": 3}
+    # Conv1D's forward views its output with `nf`; GPT-2's attention splits with `split_size`.
+    assert plan.attribute_fixes["transformer.h.1.attn"] == {"split_size": 32}
+    assert plan.attribute_fixes["transformer.h.1.attn.c_attn"] == {"nf": 96}
+    assert plan.attribute_fixes["transformer.h.1.mlp.c_fc"] == {"nf": 128}
+    assert len(plan.attribute_fixes) == 6
+    # Conv1D stores its weight (in, out): column-wise splits dim 1, bias with it.
+    c_attn = gpt2.module.transformer.h[0].attn.c_attn
+    counts = tp_per_rank_params(gpt2.module, plan)
+    assert counts["transformer.h.0.attn.c_attn"] == (64 * 96 + 96, 64 * 192 + 192)
+    assert c_attn.weight.shape == (64, 192)
+
+
+def test_gpt2_tied_head_and_embedding_split_alike_under_loss_parallel(gpt2):
+    plan = derive_tp_plan(gpt2, 2, loss_parallel=True)
+    assert plan.rules["transformer.wte"].style == "rowwise_rep"
+    assert plan.rules["lm_head"].style == "colwise"
+    assert plan.rules["transformer.wpe"].style == "replicate"
+    # The tied weight is counted once, split once.
+    counts = tp_per_rank_params(gpt2.module, plan)
+    wte = gpt2.module.transformer.wte.weight.numel()
+    assert counts["transformer.wte"] == counts["lm_head"] == (wte // 2, wte)
+    assert plan.total_numel == sum(p.numel() for p in gpt2.module.parameters())
+
+
+def test_bert_attention_and_ffn_split_and_pooler_classifier_replicated():
+    plan = derive_tp_plan(_program("bert"), 2)
+    assert _styles(plan, "bert.encoder.layer.0") == {
+        "attention.self.query": "colwise",
+        "attention.self.key": "colwise",
+        "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise",
+        "intermediate.dense": "colwise",
+        "output.dense": "rowwise",
+    }
+    assert plan.rules["bert.pooler.dense"].style == "replicate"
+    assert plan.rules["classifier"].style == "replicate"
+
+
+class _NormedBlock(nn.Module):
+    """Linear -> LayerNorm over its output features -> Linear: the norm needs every feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 32)
+        self.norm = nn.LayerNorm(32)
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return x + self.down(self.norm(self.up(x)))
+
+
+def test_norm_over_the_sharded_dim_breaks_the_chain_and_is_named():
+    model = nn.Sequential(_NormedBlock(), _NormedBlock())
+    compiled = retarget.compile_for(model, "single", example_inputs=torch.randn(4, 8))
+    plan = derive_tp_plan(compiled.program, 2)
+    up = plan.rules["0.up"]
+    assert up.style == "replicate" and "node layer_norm" in up.reason
+    assert "normalises over the sharded dim" in up.reason
+    assert plan.rules["1.down"].style == "replicate"
+    assert plan.per_rank_numel == plan.total_numel
+
+
+def test_sequence_parallel_marks_the_residual_norms(llama):
+    plan = derive_tp_plan(llama, 2, sequence_parallel=True)
+    assert plan.sequence_parallel
+    norms = [p for p, r in plan.rules.items() if r.style == "sequence_parallel"]
+    assert norms == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+        "model.norm",
+    ]

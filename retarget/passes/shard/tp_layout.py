@@ -30,10 +30,15 @@ class Sharded:
 
 
 def tensor_shape(node: Any) -> tuple[int, ...] | None:
+    """The value's shape; a symbolic size (a graph serving several lengths) by its example value.
+
+    None when the frontend recorded no shape or a size has no example value (data-dependent).
+    """
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if isinstance(value, torch.Tensor):
-        return tuple(int(s) for s in value.shape)
-    return None
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes = [s if isinstance(s, int) else getattr(s.node, "hint", None) for s in value.shape]
+    return None if None in sizes else tuple(int(s) for s in sizes)
 
 
 @dataclass
@@ -77,7 +82,7 @@ class Tracked:
     def shapes(self, value: fx.Node) -> tuple[int, ...]:
         shape = tensor_shape(value)
         if shape is None:
-            raise Break(f"no shape recorded for {value.name} (the frontend kept no metadata)")
+            raise Break(f"no concrete shape for {value.name} (not recorded, or data-dependent)")
         return shape
 
 

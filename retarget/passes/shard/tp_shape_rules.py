@@ -154,6 +154,17 @@ def cat(t: Tracked) -> Sharded:
     return Sharded(dims.pop(), min(t.groups()))
 
 
+def stack(t: Tracked) -> Sharded:
+    """Stacking values sharded alike on a new dim (an interleaved rotary's pairs)."""
+    tensors = list(t.node.args[0])
+    layouts = [t.layout(v) for v in tensors]
+    if not all(isinstance(x, Sharded) for x in layouts) or len({x.dim for x in layouts}) != 1:
+        raise Break("it stacks values that are not all sharded on the same dim")
+    dim = wrap_dim(t.arg(1, "dim", 0), len(t.shapes(t.node)))
+    sharded = layouts[0].dim
+    return Sharded(sharded + (dim <= sharded), min(t.groups()))
+
+
 def _graph_input(node: fx.Node) -> bool:
     if node.op in ("placeholder", "get_attr"):
         return True
