@@ -29,6 +29,7 @@ from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.capture.capture_regions import record_inputs
 from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, HandPlanConflict, find_chains
+from retarget.passes.shard.tp_layout import tensor_shape
 from retarget.passes.shard.tp_params import is_linear_like, is_norm, plan_numel
 from retarget.passes.shard.tp_widths import WidthCheck
 
@@ -100,6 +101,13 @@ def state_outputs(graph) -> int:
     return graph.gm._out_spec.child(1).num_leaves
 
 
+def graph_output_shape(graph) -> tuple[int, ...] | None:
+    """The shape of the graph's first output tensor, as the frontend recorded it."""
+    output = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    first = next(iter(output.all_input_nodes), None)
+    return tensor_shape(first) if first is not None else None
+
+
 def plan_block(
     program: Program,
     region: Region,
@@ -123,9 +131,9 @@ def plan_block(
         return plan
     complete = [c for c in analysis.chains if c.complete]
     if inputs is not None and complete:
-        check = WidthCheck(block, *inputs, analysis.linears, size)
-        for chain in complete:
-            found, why = check.chain_fixes(chain)
+        expected = graph_output_shape(region.representative())
+        check = WidthCheck(block, *inputs, analysis.linears, size, expected)
+        for chain, (found, why) in zip(complete, check.all_fixes(complete).values(), strict=True):
             if why and forced is not None:
                 raise HandPlanConflict(
                     f"the hand plan splits {', '.join(chain.members)} in {region.name}, but {why}"

@@ -49,9 +49,10 @@ def tp_per_rank_params(model: nn.Module, rules: Mapping[str, TpRule] | TpPlan, s
     """
     if isinstance(rules, TpPlan):
         size, rules = rules.size, rules.rules
+    modules = dict(model.named_modules(remove_duplicate=False))
     counts = {}
     for path, rule in rules.items():
-        module = model.get_submodule(path)
+        module = modules[path]
         split = SPLIT_PARAMETERS.get(rule.style, ())
         local = total = 0
         for name, param in module.named_parameters(recurse=False):
@@ -86,10 +87,11 @@ def plan_numel(model: nn.Module, rules: Mapping[str, TpRule], size: int) -> tupl
         seen[id(param)] = param.numel()
     total = sum(seen.values())
     counts = tp_per_rank_params(model, rules, size)
+    modules = dict(model.named_modules(remove_duplicate=False))
     saved = 0
     counted = set()
     for path, (local, full) in counts.items():
-        module = model.get_submodule(path)
+        module = modules[path]
         ids = {id(p) for p in module.parameters(recurse=False)}
         if ids & counted:
             continue

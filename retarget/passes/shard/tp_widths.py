@@ -44,10 +44,19 @@ class WidthCheck:
     kwargs: dict
     linears: dict[str, LinearSite]
     size: int
+    expected: tuple[int, ...] | None = None
+    """The full block's output shape (the graph's, when it recorded one)."""
 
     def __post_init__(self) -> None:
-        ok, self.expected = self._run([], [])
-        assert ok, f"the block does not run unchanged: {self.expected}"
+        if self.expected is None:
+            ok, self.expected = self._run([], [])
+            assert ok, f"the block does not run unchanged: {self.expected}"
+
+    def all_fixes(self, chains: list[Chain]) -> dict[int, tuple[list[Fix], str]]:
+        """`chain_fixes` of each chain (by index); one run when they all need none."""
+        if self.runs(chains, [])[0]:
+            return {i: ([], "") for i in range(len(chains))}
+        return {i: self.chain_fixes(chain) for i, chain in enumerate(chains)}
 
     def chain_fixes(self, chain: Chain) -> tuple[list[Fix], str]:
         """The attribute fixes `chain` needs, or ([], why it cannot run split)."""
