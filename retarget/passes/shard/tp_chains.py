@@ -239,9 +239,8 @@ class _Walk:
             ndim = len(tensor_shape(source) or ())
             if layout.dim != ndim - 1 or (style is not None and style != "rowwise"):
                 what = "its input features" if layout.dim == ndim - 1 else f"dim {layout.dim}"
-                self.break_chains(
-                    node, {layout.group}, f"{site.path} reads a value sharded on {what}"
-                )
+                named = site.path if style is None else f"{site.path} ({style})"
+                self.break_chains(node, {layout.group}, f"{named} reads a value sharded on {what}")
                 return None
             self.chain(layout.group).rowwise.append(site.path)
             return None
