@@ -32,8 +32,45 @@ from tests.tp_agreement_models import Unbuildable, build, tp_plan_model_types
 
 #: Model types that must build, capture and agree completely (no accepted difference at all).
 MUST_AGREE = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt_neox", "granite")
+
+
+def _same(reason: str, *keys: str) -> dict[str, str]:
+    return dict.fromkeys(keys, reason)
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_SINKS = _same(
+    "attention sinks: a learned value per head, whole on every rank, meets each rank's heads "
+    "(logits minus sinks, or concatenated to them); no style splits it, so the auto plan "
+    "replicates the attention",
+    *(f"layers.*.self_attn.{name}" for name in _ATTENTION),
+)
 #: model type -> {HF plan key: why the auto plan differs}.
-DIFFERENCES: dict[str, dict[str, str]] = {}
+DIFFERENCES: dict[str, dict[str, str]] = {
+    "doge": _same(
+        "the dynamic mask is computed over all heads (dt_proj's output, full width on the heads "
+        "dim) and meets each rank's heads in attention: the auto plan replicates the attention",
+        *(f"layers.*.self_attn.{name}" for name in (*_ATTENTION, "dt_proj")),
+    ),
+    "glm4_moe_lite": _same(
+        "MLA: keys and values come from kv_a_proj_with_mqa (HF style mla_kv_a_proj, which has "
+        "no counterpart here) through an unequal split, so q, k and v never meet split on the "
+        "same heads: the auto plan replicates the attention",
+        "layers.*.self_attn.q_b_proj",
+        "layers.*.self_attn.kv_b_proj",
+        "layers.*.self_attn.o_proj",
+    ),
+    "granite_swa": _SINKS,
+    "granitemoe_swa": _SINKS,
+    "mimo_v2_flash": _SINKS,
+    "higgs_audio_v2": _same(
+        "tokens are routed to audio/text MLPs by data-dependent indexing: the MLP's sizes are "
+        "data-dependent, so no layout is derived and the MLP is replicated",
+        "layers.*.mlp.gate_proj",
+        "layers.*.mlp.up_proj",
+        "layers.*.mlp.down_proj",
+    ),
+}
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -44,10 +44,13 @@ def test_eager_attention_is_one_chain_closed_by_the_output_projection():
 
 def test_heads_that_do_not_divide_break_at_the_view():
     chains = _chains(EagerAttention(width=24, heads=3), torch.randn(2, 5, 16)).chains
-    assert [c.colwise for c in chains] == [["q"], ["k"], ["v"]]  # each breaks before they meet
-    for chain in chains:
+    assert [c.colwise for c in chains] == [["q"], ["k"], ["v"], ["o"]]  # q, k, v never meet
+    for chain in chains[:3]:
         assert "3 heads do not divide by 2" in chain.breaks[0] and "node view" in chain.breaks[0]
-    assert [p for c in chains for p in c.downstream] == ["o"]
+    # Replicated, they compute whole values: o starts a chain, which the residual sum breaks.
+    assert chains[3].colwise == ["o"] and "node add: add.Tensor combines it with x" in str(
+        chains[3].breaks
+    )
 
 
 class Sliced(nn.Module):
@@ -80,22 +83,22 @@ class Fused(nn.Module):
         return self.out(q * k + v)
 
 
-def test_a_slice_of_the_split_dim_breaks_and_the_reader_is_replicated_with_it():
-    (chain,) = _chains(Sliced(), torch.randn(3, 8)).chains
-    assert chain.breaks == ["node slice_1: it slices the sharded dim"]
-    assert chain.members == ["up", "down"] and chain.downstream == ["down"]
+def test_a_slice_of_the_split_dim_breaks_and_the_reader_sees_whole_values():
+    up, down = _chains(Sliced(), torch.randn(3, 8)).chains
+    assert up.members == ["up"] and up.breaks == ["node slice_1: it slices the sharded dim"]
+    assert down.colwise == ["down"] and "leaves the region sharded" in down.breaks[0]
 
 
 def test_an_unknown_op_on_the_split_dim_breaks_the_chain_by_name():
-    (chain,) = _chains(Cumulative(), torch.randn(3, 8)).chains
-    assert "cumsum.default is not known to act per feature" in chain.breaks[0]
+    up, _ = _chains(Cumulative(), torch.randn(3, 8)).chains
+    assert "node cumsum: call_function cumsum.default is not known to act per" in up.breaks[0]
 
 
 def test_an_equal_split_of_the_features_is_a_fused_projection():
     (chain,) = _chains(Fused(), torch.randn(3, 8)).chains
     assert chain.complete and chain.fused == {"qkv": 3}
-    (chain,) = _chains(Fused(), torch.randn(3, 8), size=32).chains
-    assert "do not divide by 32" in chain.breaks[0] or "not divisible" in chain.breaks[0]
+    qkv = _chains(Fused(), torch.randn(3, 8), size=32).chains[0]
+    assert qkv.colwise == ["qkv"] and "3 fused parts has 16, not divisible" in qkv.breaks[0]
 
 
 def test_forced_styles_refuse_what_the_graph_cannot_run():

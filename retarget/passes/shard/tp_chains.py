@@ -14,7 +14,9 @@ Anything else breaks the chain, and the break names its node and why: a norm or 
 the sharded dim, a slice of it, a head count that does not divide by the degree, a sum with a
 replicated tensor of full width, a sharded value leaving the region. A fused projection whose
 sharded output is split into equal parts along the sharded dim (GPT-2's c_attn into q|k|v) is
-recorded as fused: each part is split on its own.
+recorded as fused: each part is split on its own. A broken chain is replicated, so what it
+computes is whole: a Linear reading it may start a chain of its own (MLA's q_b_proj after the
+norm that broke q_a_proj's).
 
 With `forced` styles (a hand plan) the Linears do what they are told and a layout they cannot
 take is a `HandPlanConflict` naming the module and node, instead of a break.
@@ -43,13 +45,6 @@ class HandPlanConflict(ValueError):
     """A hand plan splits a module in a way the region's graph cannot run."""
 
 
-@dataclass(frozen=True)
-class Tainted:
-    """Whole, but computed from chain `group` after it broke."""
-
-    group: int
-
-
 @dataclass
 class LinearSite:
     """A Linear the graph computes: its module path (relative to the region root)."""
@@ -74,12 +69,10 @@ class Chain:
     per_shard_params: list[str] = field(default_factory=list)
     """Parameters read whole on sharded values (a per-head norm): their gradients are partial."""
     breaks: list[str] = field(default_factory=list)
-    downstream: list[str] = field(default_factory=list)
-    """Linears that read this chain's values after it broke (replicated with it)."""
 
     @property
     def members(self) -> list[str]:
-        return self.colwise + self.rowwise + self.downstream
+        return self.colwise + self.rowwise
 
     @property
     def complete(self) -> bool:
@@ -149,7 +142,6 @@ class _Walk:
             keep.widths |= gone.widths
             keep.per_shard_params += gone.per_shard_params
             keep.breaks += gone.breaks
-            keep.downstream += gone.downstream
         return a
 
     def chain(self, group: int) -> Chain:
@@ -178,8 +170,7 @@ class _Walk:
         inputs = {n: self.layout_of(n) for n in node.all_input_nodes}
         sharded = {n: lay for n, lay in inputs.items() if isinstance(lay, (Sharded, tuple))}
         if not sharded:
-            tainted = [self.taint_of(n) for n in node.all_input_nodes]
-            self.layouts[node] = next((t for t in tainted if t is not None), None)
+            self.layouts[node] = None
             return
         tracked = Tracked(node, inputs, self.size)
         groups = tracked.groups()
@@ -190,7 +181,7 @@ class _Walk:
             layout = rule(tracked)
         except Break as why:
             self.break_chains(node, groups, str(why))
-            self.layouts[node] = Tainted(min(groups))
+            self.layouts[node] = None  # the broken chain is replicated: this value is whole
             return
         for a, b in zip(sorted(groups), sorted(groups)[1:], strict=False):
             self.join(a, b)
@@ -214,26 +205,14 @@ class _Walk:
 
     def layout_of(self, node: fx.Node) -> Any:
         layout = self.layouts.get(node)
-        if isinstance(layout, Tainted):
-            return None
         if isinstance(layout, Sharded) and self.chain(layout.group).breaks:
             return None  # a broken chain is replicated: its values are whole
         return layout
-
-    def taint_of(self, node: fx.Node) -> Tainted | None:
-        layout = self.layouts.get(node)
-        if isinstance(layout, Sharded) and self.chain(layout.group).breaks:
-            return Tainted(layout.group)
-        return layout if isinstance(layout, Tainted) else None
 
     def visit_linear(self, node: fx.Node, site: LinearSite) -> Sharded | None:
         self.linears.setdefault(site.path, site)
         source = node.args[1] if site.kind == "conv1d" else node.args[0]
         layout = self.layout_of(source) if isinstance(source, fx.Node) else None
-        tainted = self.taint_of(source) if isinstance(source, fx.Node) else None
-        if tainted is not None and self.forced is None:
-            self.chain(tainted.group).downstream.append(site.path)
-            return None
         style = None if self.forced is None else self.forced.get(site.path, "replicate")
         if isinstance(layout, Sharded):
             ndim = len(tensor_shape(source) or ())
