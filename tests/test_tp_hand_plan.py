@@ -117,3 +117,24 @@ def test_gpt2_hand_plan_gets_its_attribute_fixes(gpt2):
         "transformer.h.0.mlp.c_fc": {"nf": 128},
         "transformer.h.1.mlp.c_fc": {"nf": 128},
     }
+
+
+def test_hf_packed_colwise_is_our_colwise_with_two_fused_parts():
+    phi3 = _program("phi3")
+    packed = {
+        "model.layers.*.mlp.gate_up_proj": "packed_colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+    }
+    plan = read_hand_plan(packed, phi3, 2)
+    assert plan.rules["model.layers.1.mlp.gate_up_proj"].style == "colwise"
+    assert plan.fused == {
+        "model.layers.0.mlp.gate_up_proj": 2,
+        "model.layers.1.mlp.gate_up_proj": 2,
+    }
+    plain = {**packed, "model.layers.*.mlp.gate_up_proj": "colwise"}
+    with pytest.raises(HandPlanConflict, match=r"gate_up_proj as 1 part\(s\).*2 fused parts"):
+        read_hand_plan(plain, phi3, 2)
+    # HF's own phi3 plan gathers instead: accepted as it is (activations stay whole).
+    hf = read_hand_plan("hf", phi3, 2)
+    assert hf.rules["model.layers.0.self_attn.qkv_proj"].style == "colwise_rep"
+    assert hf.rules["model.layers.0.self_attn.o_proj"].style == "rowwise_rep"
