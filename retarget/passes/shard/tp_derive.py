@@ -59,7 +59,7 @@ def derive_tp_plan(
             rules.update({join_path(base, p): rule for p, rule in block.rules.items()})
             fixes.update({join_path(base, p): dict(f) for p, f in block.fixes.items()})
             fused.update({join_path(base, p): n for p, n in block.fused.items()})
-    blocks = [path for region in program.regions for path in region.paths]
+    blocks = {path for region in program.regions for path in region.paths}
     rules.update(outside_rules(program.module, rules, blocks, sequence_parallel))
     rules.update(vocab_rules(program.module, size, loss_parallel))
     order = [path for path, _ in program.module.named_modules()]
@@ -195,7 +195,7 @@ def chain_rules(chain: Chain, plan: BlockPlan) -> None:
 
 
 def outside_rules(
-    model: nn.Module, covered: dict[str, TpRule], blocks: list[str], sequence_parallel: bool
+    model: nn.Module, covered: dict[str, TpRule], blocks: set[str], sequence_parallel: bool
 ) -> dict[str, TpRule]:
     """Linears and embeddings no chain covers are replicated; with sequence parallelism the
     norms outside the blocks are split on the sequence dim."""
@@ -203,7 +203,7 @@ def outside_rules(
     for path, module in model.named_modules():
         if path in covered:
             continue
-        inside = next((b for b in blocks if b == "" or path.startswith(b + ".")), None)
+        inside = _enclosing(path, blocks)
         if is_linear_like(module) or isinstance(module, nn.Embedding):
             where = (
                 f"in block {inside or '<model>'}" if inside is not None else "outside the blocks"
@@ -247,6 +247,16 @@ def vocab_rules(model: nn.Module, size: int, loss_parallel: bool) -> dict[str, T
             else TpRule(style="replicate", reason=f"{name}: replicated (loss_parallel is off)")
         )
     return rules
+
+
+def _enclosing(path: str, blocks: set[str]) -> str | None:
+    """The block path that contains `path` (its nearest ancestor among `blocks`)."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in blocks:
+            return candidate
+    return None
 
 
 def _hf_module(model: nn.Module, method: str) -> nn.Module | None:

@@ -55,7 +55,7 @@ def tp_per_rank_params(model: nn.Module, rules: Mapping[str, TpRule] | TpPlan, s
         module = modules[path]
         split = SPLIT_PARAMETERS.get(rule.style, ())
         local = total = 0
-        for name, param in module.named_parameters(recurse=False):
+        for name, param in _own_parameters(module):
             total += param.numel()
             if name in split and param.dim() >= 1:
                 local += _local(param.numel(), param.shape[_split_dim(module, name, rule)], size)
@@ -63,6 +63,11 @@ def tp_per_rank_params(model: nn.Module, rules: Mapping[str, TpRule] | TpPlan, s
                 local += param.numel()
         counts[path] = (local, total)
     return counts
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own parameters (without named_parameters' walk of the tree)."""
+    return [(n, p) for n, p in module._parameters.items() if p is not None]
 
 
 def _split_dim(module: nn.Module, name: str, rule: TpRule) -> int:
@@ -92,7 +97,7 @@ def plan_numel(model: nn.Module, rules: Mapping[str, TpRule], size: int) -> tupl
     counted = set()
     for path, (local, full) in counts.items():
         module = modules[path]
-        ids = {id(p) for p in module.parameters(recurse=False)}
+        ids = {id(p) for _, p in _own_parameters(module)}
         if ids & counted:
             continue
         counted |= ids
