@@ -85,6 +85,10 @@ def build(model_type: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         config = small_config(model_type)
     except Exception as exc:
         raise Unbuildable(f"config: {_line(exc)}") from None
+    layer_types = getattr(config, "layer_types", None) or ()
+    slow = sorted({t for t in layer_types if "linear" in str(t) or "mamba" in str(t)})
+    if slow:  # their eager kernels take one to three minutes per forward here
+        raise Unbuildable(f"hybrid with {', '.join(slow)} layers: minutes per forward here")
     towers = [n for n in ("vision_config", "audio_config") if getattr(config, n, None) is not None]
     if towers:  # default vision/audio towers take a minute or more to capture here
         raise Unbuildable(f"multimodal composite ({', '.join(towers)}): not built small here")
