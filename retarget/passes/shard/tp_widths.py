@@ -56,7 +56,14 @@ class WidthCheck:
         """`chain_fixes` of each chain (by index); one run when they all need none."""
         if self.runs(chains, [])[0]:
             return {i: ([], "") for i in range(len(chains))}
-        return {i: self.chain_fixes(chain) for i, chain in enumerate(chains)}
+        found = {i: self.chain_fixes(chain) for i, chain in enumerate(chains)}
+        kept = [i for i, (_, why) in found.items() if not why]
+        together = [fix for i in kept for fix in found[i][0]]
+        ok, why = self.runs([chains[i] for i in kept], together)
+        if kept and not ok:  # each chain runs split on its own, not all of them at once
+            reason = f"the block's code fails with its chains split together ({why})"
+            found.update({i: ([], reason) for i in kept})
+        return found
 
     def chain_fixes(self, chain: Chain) -> tuple[list[Fix], str]:
         """The attribute fixes `chain` needs, or ([], why it cannot run split)."""
