@@ -60,10 +60,10 @@ def derive_tp_plan(
             fixes.update({join_path(base, p): dict(f) for p, f in block.fixes.items()})
             fused.update({join_path(base, p): n for p, n in block.fused.items()})
     blocks = {path for region in program.regions for path in region.paths}
-    rules.update(outside_rules(program.module, rules, blocks, sequence_parallel))
-    rules.update(vocab_rules(program.module, size, loss_parallel))
-    order = [path for path, _ in program.module.named_modules()]
-    rules = {path: rules[path] for path in order if path in rules}
+    named = list(program.module.named_modules())
+    rules.update(outside_rules(named, rules, blocks, sequence_parallel))
+    rules.update(vocab_rules(program.module, size, loss_parallel, named))
+    rules = {path: rules[path] for path, _ in named if path in rules}
     per_rank, total = plan_numel(program.module, rules, size)
     return TpPlan(
         size=size,
@@ -195,12 +195,15 @@ def chain_rules(chain: Chain, plan: BlockPlan) -> None:
 
 
 def outside_rules(
-    model: nn.Module, covered: dict[str, TpRule], blocks: set[str], sequence_parallel: bool
+    named: list[tuple[str, nn.Module]],
+    covered: dict[str, TpRule],
+    blocks: set[str],
+    sequence_parallel: bool,
 ) -> dict[str, TpRule]:
     """Linears and embeddings no chain covers are replicated; with sequence parallelism the
     norms outside the blocks are split on the sequence dim."""
     rules = {}
-    for path, module in model.named_modules():
+    for path, module in named:
         if path in covered:
             continue
         inside = _enclosing(path, blocks)
@@ -217,9 +220,11 @@ def outside_rules(
     return rules
 
 
-def vocab_rules(model: nn.Module, size: int, loss_parallel: bool) -> dict[str, TpRule]:
+def vocab_rules(
+    model: nn.Module, size: int, loss_parallel: bool, named: list | None = None
+) -> dict[str, TpRule]:
     """The input embedding and the LM head: replicated, or split over the vocabulary."""
-    paths = {id(m): p for p, m in model.named_modules()}
+    paths = {id(m): p for p, m in (named if named is not None else model.named_modules())}
     embedding, head = (
         _hf_module(model, "get_input_embeddings"),
         _hf_module(model, "get_output_embeddings"),

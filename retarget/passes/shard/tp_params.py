@@ -41,7 +41,12 @@ def _local(numel: int, rows: int, size: int) -> int:
     return numel // rows * share if rows else numel
 
 
-def tp_per_rank_params(model: nn.Module, rules: Mapping[str, TpRule] | TpPlan, size: int = 0):
+def tp_per_rank_params(
+    model: nn.Module,
+    rules: Mapping[str, TpRule] | TpPlan,
+    size: int = 0,
+    modules: Mapping[str, nn.Module] | None = None,
+):
     """Per module of the plan: (elements rank 0 holds, elements in all), of its own parameters.
 
     >>> tp_per_rank_params(model, plan)["model.layers.0.mlp.up_proj"]
@@ -49,7 +54,8 @@ def tp_per_rank_params(model: nn.Module, rules: Mapping[str, TpRule] | TpPlan, s
     """
     if isinstance(rules, TpPlan):
         size, rules = rules.size, rules.rules
-    modules = dict(model.named_modules(remove_duplicate=False))
+    if modules is None:
+        modules = dict(model.named_modules(remove_duplicate=False))
     counts = {}
     for path, rule in rules.items():
         module = modules[path]
@@ -87,12 +93,10 @@ def param_rows_first(module: nn.Module, rule: TpRule) -> bool:
 
 def plan_numel(model: nn.Module, rules: Mapping[str, TpRule], size: int) -> tuple[int, int]:
     """(parameter elements rank 0 holds, parameter elements of the model), tied ones once."""
-    seen: dict[int, int] = {}
-    for param in model.parameters():
-        seen[id(param)] = param.numel()
-    total = sum(seen.values())
-    counts = tp_per_rank_params(model, rules, size)
     modules = dict(model.named_modules(remove_duplicate=False))
+    seen = {id(p): p.numel() for m in modules.values() for _, p in _own_parameters(m)}
+    total = sum(seen.values())
+    counts = tp_per_rank_params(model, rules, size, modules)
     saved = 0
     counted = set()
     for path, (local, full) in counts.items():
