@@ -1,0 +1,97 @@
+"""The layout a tensor-parallel walk gives each graph value, and the node a rule looks at.
+
+`Sharded(dim, group)`: split on `dim` among the ranks, in chain `group`; None: replicated. A
+rule (`tp_layout_rules`, `tp_shape_rules`) raises `Break` when an op does not keep the sharded
+dim independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class Break(Exception):
+    """The op does not keep the sharded dim independent; the message says why."""
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The value is split on `dim` among the ranks, as part of chain `group`."""
+
+    dim: int
+    group: int
+
+
+def tensor_shape(node: Any) -> tuple[int, ...] | None:
+    """The value's shape; a symbolic size (a graph serving several lengths) by its example value.
+
+    None when the frontend recorded no shape or a size has no example value (data-dependent).
+    """
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes = [s if isinstance(s, int) else getattr(s.node, "hint", None) for s in value.shape]
+    return None if None in sizes else tuple(int(s) for s in sizes)
+
+
+@dataclass
+class Tracked:
+    """One node during the walk: its inputs' layouts, and what its rule found out."""
+
+    node: fx.Node
+    layouts: dict[fx.Node, Any]
+    size: int
+    fused_parts: int = 0
+    whole_parameters: list[str] = field(default_factory=list)
+
+    def groups(self) -> set[int]:
+        found = set()
+        for layout in self.layouts.values():
+            for item in layout if isinstance(layout, tuple) else (layout,):
+                if isinstance(item, Sharded):
+                    found.add(item.group)
+        return found
+
+    @property
+    def first_sharded(self) -> fx.Node | None:
+        return next((n for n, lay in self.layouts.items() if isinstance(lay, Sharded)), None)
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        if len(self.node.args) > index:
+            return self.node.args[index]
+        return self.node.kwargs.get(name, default)
+
+    def layout(self, value: Any) -> Any:
+        return self.layouts.get(value) if isinstance(value, fx.Node) else None
+
+    def source(self) -> tuple[fx.Node, Sharded]:
+        """The first argument, which must be sharded."""
+        value = self.node.args[0]
+        layout = self.layout(value)
+        if not isinstance(layout, Sharded):
+            raise Break(f"{op_name(self.node)} reads a sharded value in an unexpected position")
+        return value, layout
+
+    def shapes(self, value: fx.Node) -> tuple[int, ...]:
+        shape = tensor_shape(value)
+        if shape is None:
+            raise Break(f"no concrete shape for {value.name} (not recorded, or data-dependent)")
+        return shape
+
+
+Rule = Callable[[Tracked], Any]
+
+
+def op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def wrap_dim(dim: int, rank: int) -> int:
+    return dim % rank if rank else dim

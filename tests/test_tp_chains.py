@@ -1,0 +1,112 @@
+"""find_chains on small exported modules: which ops carry a split, and the breaks they name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from retarget.passes.shard.tp_chains import HandPlanConflict, find_chains
+
+
+def _chains(module: nn.Module, *inputs, size: int = 2, forced=None):
+    gm = torch.export.export(module, inputs, strict=False).module()
+    return find_chains(gm, module, size, forced=forced)
+
+
+class EagerAttention(nn.Module):
+    """Attention written out: q @ k^T, softmax over keys, @ v, heads merged back."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(16, width) for _ in range(3))
+        self.o = nn.Linear(width, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+
+        def heads(t):
+            return t.view(b, s, self.heads, -1).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        probs = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1)
+        return x + self.o((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+def test_eager_attention_is_one_chain_closed_by_the_output_projection():
+    analysis = _chains(EagerAttention(), torch.randn(2, 5, 16))
+    (chain,) = analysis.chains
+    assert chain.colwise == ["q", "k", "v"] and chain.rowwise == ["o"]
+    assert chain.complete and 4 in chain.widths and 32 in chain.widths
+    assert analysis.linears["o"].in_features == 32
+
+
+def test_heads_that_do_not_divide_break_at_the_view():
+    chains = _chains(EagerAttention(width=24, heads=3), torch.randn(2, 5, 16)).chains
+    assert [c.colwise for c in chains] == [["q"], ["k"], ["v"], ["o"]]  # q, k, v never meet
+    for chain in chains[:3]:
+        assert "3 heads do not divide by 2" in chain.breaks[0] and "node view" in chain.breaks[0]
+    # Replicated, they compute whole values: o starts a chain, which the residual sum breaks.
+    assert chains[3].colwise == ["o"] and "node add: add.Tensor combines it with x" in str(
+        chains[3].breaks
+    )
+
+
+class Sliced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(self.up(x)[..., :16])
+
+
+class Cumulative(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(self.up(x), dim=-1))
+
+
+class Fused(nn.Module):
+    """A q|k|v projection split into equal parts along its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 48), nn.Linear(16, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        return self.out(q * k + v)
+
+
+def test_a_slice_of_the_split_dim_breaks_and_the_reader_sees_whole_values():
+    up, down = _chains(Sliced(), torch.randn(3, 8)).chains
+    assert up.members == ["up"] and up.breaks == ["node slice_1: it slices the sharded dim"]
+    assert down.colwise == ["down"] and "leaves the region sharded" in down.breaks[0]
+
+
+def test_an_unknown_op_on_the_split_dim_breaks_the_chain_by_name():
+    up, _ = _chains(Cumulative(), torch.randn(3, 8)).chains
+    assert "node cumsum: call_function cumsum.default is not known to act per" in up.breaks[0]
+
+
+def test_an_equal_split_of_the_features_is_a_fused_projection():
+    (chain,) = _chains(Fused(), torch.randn(3, 8)).chains
+    assert chain.complete and chain.fused == {"qkv": 3}
+    qkv = _chains(Fused(), torch.randn(3, 8), size=32).chains[0]
+    assert qkv.colwise == ["qkv"] and "3 fused parts has 16, not divisible" in qkv.breaks[0]
+
+
+def test_forced_styles_refuse_what_the_graph_cannot_run():
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(HandPlanConflict, match="makes o rowwise, but its input"):
+        _chains(EagerAttention(), x, forced={"o": "rowwise"})
+    with pytest.raises(HandPlanConflict, match=r"o \(replicate\) reads a value sharded on its"):
+        _chains(EagerAttention(), x, forced={"q": "colwise", "k": "colwise", "v": "colwise"})
+    forced = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    (chain,) = _chains(EagerAttention(), x, forced=forced).chains
+    assert chain.complete
