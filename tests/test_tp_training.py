@@ -1,5 +1,6 @@
 """tp[size=2] on 2 gloo ranks and fsdp+tp[size=2] on a 2x2 mesh of 4: loss and every gradient
-(gathered whole) equal one process's within 1e-5 relative, for each model of tests.tp_models;
+(gathered whole) equal one process's within 1e-5 relative, for each model of tests.tp_models,
+with its hand plan and with the plan derived from its graphs (plan=auto);
 20 training steps track one process's loss within 1e-4; clip_grad_norm_ equals one process's.
 
 Several models share one launch (4 ranks on 2 shared cores are slow).
@@ -182,6 +183,14 @@ def _bf16_ac(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _check_one_step(result: dict[str, Any]) -> None:
+    """Hand plans ("step") and the plans derived from the graphs ("auto") alike."""
+    for plan in ("step", "auto"):
+        for name, (loss_error, grad_error, split) in result[plan].items():
+            assert loss_error <= 1e-5 and grad_error <= 1e-5, (plan, name, loss_error, grad_error)
+            assert split > 0, (plan, name)
+
+
 def _check_steps(results: list[dict[str, Any]], world: int) -> None:
     for step in range(STEPS):
         mine = sum(r["losses"][step][0] for r in results) / world
@@ -196,6 +205,7 @@ def _tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
     target = "tp[size=2,plan={plan}]"
     return {
         "step": _one_step(rank, world, target, names),
+        "auto": _one_step(rank, world, "tp[size=2,plan=auto]", names),
         "train": _training(rank, world, target, "llama"),
         "checkpoint": _checkpoint(rank, world, target, "gpt2", folder),
     }
@@ -204,9 +214,7 @@ def _tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
 def test_tp_on_2_ranks_matches_one_process(tmp_path):
     results = run_ranks(_tp_body, 2, str(tmp_path), timeout=900)
     assert all(r["checkpoint"] == {"saved_equal": True, "bitwise": True} for r in results)
-    for name, (loss_error, grad_error, split) in results[0]["step"].items():
-        assert loss_error <= 1e-5 and grad_error <= 1e-5, (name, loss_error, grad_error)
-        assert split > 0, name
+    _check_one_step(results[0])
     # Every rank sees the same loss: tp ranks share the batch.
     assert results[0]["train"]["losses"] == results[1]["train"]["losses"]
     assert results[0]["train"]["applied"].startswith("tensor parallel x 14 modules")
@@ -223,6 +231,7 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
     target = "fsdp+tp[size=2,plan={plan}]"
     return {
         "step": _one_step(rank, world, target, names),
+        "auto": _one_step(rank, world, "fsdp+tp[size=2,plan=auto]", names),
         "train": _training(rank, world, target, "llama"),
         "checkpoint": _checkpoint(rank, world, target, "llama", folder),
         "bf16_ac": _bf16_ac(rank, world),
@@ -232,9 +241,7 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
 def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     results = run_ranks(_fsdp_tp_body, 4, str(tmp_path), timeout=1200)
     assert all(r["checkpoint"] == {"saved_equal": True, "bitwise": True} for r in results)
-    for name, (loss_error, grad_error, split) in results[0]["step"].items():
-        assert loss_error <= 1e-5 and grad_error <= 1e-5, (name, loss_error, grad_error)
-        assert split > 0, name
+    _check_one_step(results[0])
     train = [r["train"] for r in results]
     assert train[0]["applied"] == "fully_shard x 3 (mesh (2, 2))"
     # The two tp ranks of a dp group saw the same rows, the two dp groups different ones.

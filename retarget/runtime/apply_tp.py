@@ -49,6 +49,11 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         parallelize_module(target, mesh, style)
         done.append(path)
     for path, values in plan.attribute_fixes.items():
+        if path in done:
+            # A split module's own forward runs on DTensors, whose sizes are the whole
+            # tensor's (Conv1D's `nf`): its widths stay; only the code between split modules
+            # sees one rank's slice.
+            continue
         target = module.get_submodule(path)
         for attribute, value in values.items():
             setattr(target, attribute, value)
