@@ -154,3 +154,16 @@ def test_a_model_not_split_is_untouched_in_one_process():
     compiled = _compile("mlp", "tp[size=2,plan=tests.tp_models:MLP_2]")
     assert not any(hasattr(p, "placements") for p in compiled.parameters())
     assert isinstance(compiled.program.submodule("blocks.0.0"), nn.Linear)
+
+
+def test_partial_gradient_norms_are_planned_and_refused_under_fsdp():
+    """Qwen3's per-head q/k norms are read whole on each rank's heads: the auto plan marks them
+    replicate_grad_allreduce (their gradients are summed over tp, tests/test_tp_training.py),
+    and fsdp+tp, which replaces the parameter the hook is on, refuses them by name."""
+    compiled = _compile("qwen3", "tp[size=2]")
+    rules = compiled.program.plan.tp.rules
+    norms = [p for p in rules if p.endswith(("q_norm", "k_norm"))]
+    assert len(norms) == 2 * tm.LAYERS
+    assert all(rules[p].style == "replicate_grad_allreduce" for p in norms)
+    message = _refusal("qwen3", "fsdp+tp[size=2]", world=4)
+    assert "q_norm" in message and "partial on each tp rank" in message

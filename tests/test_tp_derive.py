@@ -148,7 +148,7 @@ def test_qwen3_per_head_norms_stay_whole_with_their_gradient_all_reduce_named():
     styles = _styles(plan, "model.layers.0")
     assert {k: v for k, v in styles.items() if k in LLAMA_STYLES} == LLAMA_STYLES
     q_norm = plan.rules["model.layers.0.self_attn.q_norm"]
-    assert q_norm.style == "replicate" and "all-reduced" in q_norm.reason
+    assert q_norm.style == "replicate_grad_allreduce" and "all-reduced" in q_norm.reason
 
 
 def test_gpt_neox_fused_qkv_split_per_head_needs_no_fused_parts():

@@ -1,7 +1,7 @@
 """Small models and their tensor-parallel plans, for the tp tests.
 
 Plans are TpPlan records built here, from the model config's `base_model_tp_plan` where
-transformers ships one (Llama, Qwen2, GPT-NeoX) and written by hand for the others (GPT-2,
+transformers ships one (Llama, Qwen2, Qwen3, GPT-NeoX) and written by hand for the others (GPT-2,
 BERT, an MLP), with the globs expanded over the model's own module names. A target names them
 as `tp[plan=tests.tp_models:NAME]` (a TpPlan instance is used as given, after checks).
 """
@@ -24,6 +24,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from retarget.core.plans import TpPlan, TpRule
@@ -66,6 +68,22 @@ def qwen2() -> nn.Module:
         max_position_embeddings=64,
     )
     return _dropout_off(Qwen2ForCausalLM(config))
+
+
+def qwen3() -> nn.Module:
+    """Qwen3: per-head q/k norms, read whole on each rank's heads (partial gradients)."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=64,
+    )
+    return _dropout_off(Qwen3ForCausalLM(config))
 
 
 def neox() -> nn.Module:
@@ -162,9 +180,12 @@ def plan_of(
 
 
 def hf_plan(model: nn.Module, size: int) -> TpPlan:
-    """The config's base_model_tp_plan, under the base model's attribute name."""
+    """The config's base_model_tp_plan, under the base model's attribute name (HF's name for
+    a replicated module whose gradient is all-reduced mapped to ours)."""
     prefix = model.base_model_prefix + "."
-    return plan_of(model, size, expand(model, model.config.base_model_tp_plan, prefix))
+    names = {"replicated_with_grad_allreduce": "replicate_grad_allreduce"}
+    globs = {g: names.get(s, s) for g, s in model.config.base_model_tp_plan.items()}
+    return plan_of(model, size, expand(model, globs, prefix))
 
 
 def gpt2_plan(model: nn.Module, size: int) -> TpPlan:
@@ -208,6 +229,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, int], TpPl
     "mlp": (mlp, mlp_plan, "vector"),
     "llama": (llama, hf_plan, "lm"),
     "qwen2": (qwen2, hf_plan, "lm"),
+    "qwen3": (qwen3, hf_plan, "lm"),
     "neox": (neox, hf_plan, "lm"),
     "gpt2": (gpt2, gpt2_plan, "lm"),
     "bert": (bert, bert_plan, "cls"),

@@ -236,6 +236,8 @@ TP_STYLES = {
     "rowwise_rep": "RowwiseParallel(input_layouts=Replicate()): vocab-parallel embedding",
     "sequence_parallel": "SequenceParallel(): norm/dropout sharded on the sequence dim",
     "replicate": "kept whole on every rank",
+    "replicate_grad_allreduce": "kept whole, but read on one rank's heads (a per-head norm): "
+    "its gradient is partial on each rank and is all-reduced over the tp ranks",
 }
 
 

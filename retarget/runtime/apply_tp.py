@@ -16,7 +16,9 @@ Styles (core.plans.TP_STYLES) and what realises each:
   fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
   slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
   `full_tensor()`, state_dict and DCP see the unfused-order weight;
-- sequence_parallel: torch's SequenceParallel; replicate: nothing.
+- sequence_parallel: torch's SequenceParallel; replicate: nothing;
+- replicate_grad_allreduce (a per-head norm read on split heads): kept whole, and a hook on
+  each parameter all-reduces its partial gradient over the tp ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -43,6 +47,9 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
     done = []
     for path, rule in plan.rules.items():
         target = module.get_submodule(path)
+        if rule.style == "replicate_grad_allreduce":
+            all_reduce_gradients(target, mesh.get_group())
+            continue
         style = style_for(rule.style, target, plan.fused.get(path, 1))
         if style is None:
             continue
@@ -60,9 +67,24 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
     return done
 
 
+def all_reduce_gradients(module: nn.Module, group: Any) -> None:
+    """Sum each gradient contribution of `module`'s parameters over the tp `group` as it
+    arrives (before it is accumulated into .grad, so accumulation windows stay exact): each
+    rank computed it from its own heads only."""
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for param in module.parameters(recurse=False):
+        if param.requires_grad:
+            param.register_hook(summed)
+
+
 def style_for(style: str, module: nn.Module, parts: int = 1) -> Any:
     """The ParallelStyle that realises `style` on `module` (None for replicate)."""
-    if style == "replicate":
+    if style in ("replicate", "replicate_grad_allreduce"):
         return None
     if style == "sequence_parallel":
         return SequenceParallel()

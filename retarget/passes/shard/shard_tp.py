@@ -189,7 +189,13 @@ def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPla
             raise TargetNotSupportedError(f"{where}: the model has no such module") from None
         if rule.style == "sequence_parallel":
             raise TargetNotSupportedError(f"{where}: sequence_parallel is not implemented")
-        if rule.style == "replicate":
+        if rule.style == "replicate_grad_allreduce" and data_parallel:
+            raise TargetNotSupportedError(
+                f"{where}: {data_parallel}+tp: its gradient is partial on each tp rank and is "
+                "summed by a hook on the parameter, which FSDP2 replaces when it shards; use "
+                "tp alone for this model"
+            )
+        if rule.style in ("replicate", "replicate_grad_allreduce"):
             continue
         kind = module_kind(module)
         if kind is None:
@@ -283,7 +289,9 @@ def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
 
 def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:
     """Mark every region that holds a split module eager-only; their names."""
-    split = [p for p, r in plan.rules.items() if r.style != "replicate"]
+    split = [
+        p for p, r in plan.rules.items() if r.style not in ("replicate", "replicate_grad_allreduce")
+    ]
     names = []
     for region in program.regions:
         if any(_inside(path, region_path) for path in split for region_path in region.paths):

@@ -181,7 +181,7 @@ def chain_rules(chain: Chain, plan: BlockPlan) -> None:
             )
         for name in chain.per_shard_params:
             plan.rules[name.rpartition(".")[0]] = TpRule(
-                style="replicate",
+                style="replicate_grad_allreduce",
                 reason="reads each rank's own heads: its gradient is partial on each rank and "
                 "must be all-reduced over the tp ranks",
             )

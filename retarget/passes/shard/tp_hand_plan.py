@@ -42,7 +42,7 @@ HF_STYLES: dict[str, tuple[str, int]] = {
     "colwise_gather_output": ("colwise_rep", 1),
     "rowwise_split_input": ("rowwise_rep", 1),
     "embedding_rowwise": ("rowwise_rep", 1),
-    "replicated_with_grad_allreduce": ("replicate", 1),
+    "replicated_with_grad_allreduce": ("replicate_grad_allreduce", 1),
     "replicated": ("replicate", 1),
 }
 #: Styles the graph walk checks (the others keep every activation whole).
