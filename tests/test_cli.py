@@ -165,7 +165,10 @@ def test_bad_factory_spec_exits_2_with_one_line(capsys, spec, problem):
 
 @pytest.mark.parametrize(
     ("target", "problem"),
-    [("fsdpp", "did you mean 'fsdp'?"), ("tp", "no pass implements 'tp'")],
+    [
+        ("fsdpp", "did you mean 'fsdp'?"),
+        ("tp[size=2,sequence_parallel=true]", "tp[sequence_parallel=true] is not implemented"),
+    ],
 )
 def test_bad_target_exits_2(capsys, target, problem):
     code, _, err = run(capsys, "inspect", *LLAMA[:3], "--target", target)

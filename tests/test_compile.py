@@ -219,8 +219,8 @@ def test_verify_needs_example_inputs():
 
 
 def test_parts_without_a_pass_are_refused_not_ignored():
-    with pytest.raises(retarget.TargetNotSupportedError, match="'tp'"):
-        retarget.compile_for(nn.Linear(2, 2), "fsdp+tp+bf16")
+    with pytest.raises(retarget.TargetNotSupportedError, match="sequence_parallel=true"):
+        retarget.compile_for(nn.Linear(2, 2), "tp[size=2,sequence_parallel=true]", world_size=2)
 
 
 def test_bad_arguments_fail_clearly():

@@ -183,6 +183,19 @@ def _bf16_ac(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _accelerator_ranks() -> tuple[int, int, int]:
+    """retarget.Accelerator's (data_parallel_rank, data_parallel_shard_rank,
+    tensor_parallel_rank) under fsdp+tp: Accelerate's mesh order, tp innermost."""
+    import retarget
+
+    accelerator = retarget.Accelerator(target="fsdp+tp[size=2]")
+    return (
+        accelerator.data_parallel_rank,
+        accelerator.data_parallel_shard_rank,
+        accelerator.tensor_parallel_rank,
+    )
+
+
 def _check_one_step(result: dict[str, Any]) -> None:
     """Hand plans ("step") and the plans derived from the graphs ("auto") alike."""
     for plan in ("step", "auto"):
@@ -235,6 +248,7 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
         "train": _training(rank, world, target, "llama"),
         "checkpoint": _checkpoint(rank, world, target, "llama", folder),
         "bf16_ac": _bf16_ac(rank, world),
+        "ranks": _accelerator_ranks(),
     }
 
 
@@ -253,6 +267,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     assert sorted(sum(seen[0] + seen[2], [])) == list(range(16))
     # gather_for_metrics gathers over dp: every sample once, not once per tp rank.
     assert all(t["gathered"] == list(range(16)) for t in train)
+    assert [r["ranks"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     mixed = results[0]["bf16_ac"]
     assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), mixed
     assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])

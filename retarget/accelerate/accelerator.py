@@ -102,10 +102,11 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         target: Any = None,
         even_batches: bool = True,
         dispatch_batches: bool = False,
+        torch_tp_plugin: Any = None,
+        parallelism_config: Any = None,
         **unsupported: Any,
     ) -> None:
-        parallelism_config = unsupported.pop("parallelism_config", None)
-        torch_tp_plugin = unsupported.pop("torch_tp_plugin", None)
+        self._torch_tp_plugin, self._parallelism_config = torch_tp_plugin, parallelism_config
         refuse_unsupported(device_placement=device_placement, **unsupported)
         handlers = collect_handlers(kwargs_handlers)
         process = _process_state(handlers.get(InitProcessGroupKwargs), cpu)

@@ -79,9 +79,9 @@ class ParityMembers:
         return _FP8_BACKENDS.get(backend, backend.upper())
 
     @property
-    def parallelism_config(self) -> None:
-        """None: the target (Accelerator(target=...)) says how the model is parallelised."""
-        return None
+    def parallelism_config(self) -> Any:
+        """The ParallelismConfig given (None: the target says how the model is parallelised)."""
+        return getattr(self, "_parallelism_config", None)
 
     @property
     def torch_device_mesh(self) -> None:
@@ -92,17 +92,28 @@ class ParityMembers:
     def should_save_model(self) -> bool:
         return self.state.is_local_main_process
 
-    def _parallel_rank(self, name: str) -> int:
-        raise RuntimeError(
-            f"{name} is defined by a parallelism_config, which retarget.Accelerator does not "
-            "take (write the target instead); use process_index for this process's rank"
-        )
+    def _mesh_sizes(self, name: str) -> tuple[int, int, int]:
+        """(dp_replicate, dp_shard, tp) sizes of Accelerate's mesh order, from the
+        parallelism_config given, else from a target with tp; RuntimeError as in Accelerate
+        when neither says it."""
+        config = getattr(self, "_parallelism_config", None)
+        if config is not None:
+            sizes = [getattr(config, f, 1) or 1 for f in ("dp_replicate_size", "dp_shard_size")]
+            return sizes[0], sizes[1], getattr(config, "tp_size", 1) or 1
+        part = self.target.get("tp")
+        if part is None:
+            raise RuntimeError(f"{name}: no parallelism is configured (parallelism_config, tp)")
+        tp = int(dict(part.options).get("size", 0)) or self.num_processes
+        return 1, self.num_processes // tp, tp
 
-    tensor_parallel_rank = property(lambda self: self._parallel_rank("tensor_parallel_rank"))
-    data_parallel_rank = property(lambda self: self._parallel_rank("data_parallel_rank"))
-    data_parallel_shard_rank = property(
-        lambda self: self._parallel_rank("data_parallel_shard_rank")
-    )
+    def _rank_on(self, name: str, dim: int) -> int:
+        replicate, shard, tp = self._mesh_sizes(name)
+        rank = self.process_index
+        return (rank // (shard * tp), (rank // tp) % shard, rank % tp)[dim]
+
+    tensor_parallel_rank = property(lambda self: self._rank_on("tensor_parallel_rank", 2))
+    data_parallel_rank = property(lambda self: self._rank_on("data_parallel_rank", 0))
+    data_parallel_shard_rank = property(lambda self: self._rank_on("data_parallel_shard_rank", 1))
 
     @property
     def context_parallel_rank(self) -> int:

@@ -53,9 +53,15 @@ class AcceleratorState(ProcessState):
         doc="Accelerate's debug mode checks collectives' shapes across processes: retarget's "
         "collectives always do (a mismatch raises the same error on every rank).",
     )
-    device_mesh = property(lambda self: None, doc="None: no parallelism_config (a target).")
-    parallelism_config = property(lambda self: None, doc="None: the target says it.")
-    torch_tp_plugin = property(lambda self: None, doc="None: tensor parallelism is refused.")
+    device_mesh = property(lambda self: None, doc="None: meshes are made as models are prepared.")
+    parallelism_config = property(
+        lambda self: getattr(self, "_parallelism_config", None),
+        doc="The ParallelismConfig given to the Accelerator (None: the target says it).",
+    )
+    torch_tp_plugin = property(
+        lambda self: getattr(self, "_torch_tp_plugin", None),
+        doc="The TorchTensorParallelPlugin given to the Accelerator, or None.",
+    )
 
     @property
     def deepspeed_plugins(self) -> dict[str, Any] | None:
