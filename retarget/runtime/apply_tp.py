@@ -12,7 +12,7 @@ Styles (core.plans.TP_STYLES) and what realises each:
   ColwiseParallel / RowwiseParallel themselves;
 - the same on GPT-2's Conv1D (weight [in, out]) and on a module with fused parts (q|k|v along
   its output dim, `plan.fused`): `SplitColwise` / `SplitRowwise`, subclasses of torch's styles
-  that only change how the parameters are distributed (the dims come from core.tp_layout). A
+  that only change how the parameters are distributed (the dims come from core.tp_split_dims). A
   fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
   slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
   `full_tensor()`, state_dict and DCP see the unfused-order weight;
@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from retarget.core.plans import TpPlan
-from retarget.core.tp_layout import module_kind, split_dims
+from retarget.core.tp_split_dims import module_kind, split_dims
 
 
 def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:

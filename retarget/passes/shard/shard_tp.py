@@ -13,7 +13,7 @@ Both readers are imported when asked for: a build without them refuses `plan=` b
 
 The pass checks the plan against the model, refusing (TargetNotSupportedError, naming the
 module and why) a rule on a missing module, a style no splitter implements for that kind of
-module (core.tp_layout: nn.Linear, nn.Embedding, GPT-2's Conv1D), a split dim the degree does
+module (core.tp_split_dims: nn.Linear, nn.Embedding, GPT-2's Conv1D), a split dim the degree does
 not divide (a fused q|k|v dim: each part), and the options not implemented here
 (sequence_parallel, loss_parallel). It records the plan with its per-rank parameter counts
 (`program.plan.tp`, a TpPlan); the runtime applies it with torch's parallel styles over the
@@ -38,7 +38,7 @@ from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TP_STYLES, TpPlan
-from retarget.core.tp_layout import COLWISE_STYLES, local_numel, module_kind, split_dims
+from retarget.core.tp_split_dims import COLWISE_STYLES, local_numel, module_kind, split_dims
 from retarget.frontends import EAGER
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
