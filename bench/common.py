@@ -61,6 +61,28 @@ def stepper(model: torch.nn.Module, inputs: dict, context=None) -> Callable[[], 
     return one_step
 
 
+def barrier_rounds(
+    steps: dict[str, Callable[[], None]], *, rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Seconds of each step per round on this rank, after `warmup` untimed steps of each: one
+    step of each per round in an order rotated every round, each after a barrier so that the
+    ranks start it together (load from other jobs falls on every step alike)."""
+    import torch.distributed as dist
+
+    for one_step in steps.values():
+        for _ in range(warmup):
+            one_step()
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def interleaved_medians(
     benchmark, steps: dict[str, Callable[[], object]], *, rounds: int, threads: int
 ) -> dict[str, float]:

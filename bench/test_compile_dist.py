@@ -24,12 +24,11 @@ import json
 import math
 import os
 import statistics
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from common import source_revision, stepper
+from common import barrier_rounds, source_revision, stepper
 from compile_arms import conditions, region_compiles
 from test_dist_overhead import rank_batch, tiny_llama
 
@@ -64,7 +63,6 @@ def by_hand(config: str, world: int) -> tuple[torch.nn.Module, contextlib.Abstra
 
 
 def _ranks(rank: int, world: int, config: str, rounds: int) -> dict[str, list[float]]:
-    import torch.distributed as dist
 
     from retarget.driver.compile import compile_for
 
@@ -75,17 +73,7 @@ def _ranks(rank: int, world: int, config: str, rounds: int) -> dict[str, list[fl
         "compiled": stepper(compiled, inputs),
         "by_hand": stepper(hand_model, inputs, hand_context),
     }
-    for one_step in steps.values():
-        for _ in range(WARMUP):
-            one_step()
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(rounds):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            seconds[name].append(time.perf_counter() - start)
+    seconds = barrier_rounds(steps, rounds=rounds, warmup=WARMUP)
     seconds["compile_stats"] = region_compiles(compiled)
     return seconds
 

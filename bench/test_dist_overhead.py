@@ -28,12 +28,11 @@ import json
 import math
 import os
 import statistics
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from common import llama, stepper
+from common import barrier_rounds, llama, stepper
 
 from tests.distributed import run_ranks
 
@@ -75,7 +74,6 @@ def by_hand(config: str, world: int) -> tuple[torch.nn.Module, contextlib.Abstra
 
 
 def _ranks(rank: int, world: int, config: str, rounds: int) -> dict[str, list[float]]:
-    import torch.distributed as dist
 
     from retarget.driver.compile import compile_for
 
@@ -86,18 +84,7 @@ def _ranks(rank: int, world: int, config: str, rounds: int) -> dict[str, list[fl
         "compiled": stepper(compiled, inputs),
         "by_hand": stepper(hand_model, inputs, hand_context),
     }
-    for one_step in steps.values():
-        for _ in range(WARMUP):
-            one_step()
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(rounds):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            seconds[name].append(time.perf_counter() - start)
-    return seconds
+    return barrier_rounds(steps, rounds=rounds, warmup=WARMUP)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from common import stepper
+from common import barrier_rounds, stepper
 from test_dist_overhead import VOCAB, rank_batch, tiny_llama
 
 from tests.distributed import run_ranks
@@ -50,8 +49,11 @@ def _step_peak(model: torch.nn.Module, inputs: dict) -> int:
     return measured.peak
 
 
+def _idle() -> None:
+    """Rank 1's part in the one-process arm: wait at the barrier while rank 0 steps."""
+
+
 def _ranks(rank: int, world: int, rounds: int) -> dict:
-    import torch.distributed as dist
 
     from retarget.driver.compile import compile_for
 
@@ -63,19 +65,8 @@ def _ranks(rank: int, world: int, rounds: int) -> dict:
     }
     if rank == 0:
         models["one process"] = (tiny_llama(), whole)
-    steps = {name: stepper(model, inputs) for name, (model, inputs) in models.items()}
-    for one_step in steps.values():
-        for _ in range(WARMUP):
-            one_step()
-    seconds: dict[str, list[float]] = {name: [] for name in ARMS}
-    for r in range(rounds):
-        order = ARMS[r % 3 :] + ARMS[: r % 3]
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            if name in steps:
-                steps[name]()
-            seconds[name].append(time.perf_counter() - start)
+    steps = {name: stepper(*models[name]) if name in models else _idle for name in ARMS}
+    seconds = barrier_rounds(steps, rounds=rounds, warmup=WARMUP)
     memory = {
         name: {"parameter_bytes": _local_bytes(model), "step_peak_bytes": _step_peak(model, inp)}
         for name, (model, inp) in models.items()
