@@ -154,6 +154,12 @@ def test_refused_table_names_a_reason_for_each_flag():
             "fsdp+tp[size=2]+bf16",
         ),
         (["--use_parallelism_config", "--parallelism_config_tp_size", "4"], "tp[size=4]"),
+        (  # as Accelerate asks for it: with --use_fsdp, whose flags keep their meaning
+            ["--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false",
+             "--fsdp_activation_checkpointing", "true", "--use_parallelism_config",
+             "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"],
+            "zero2+tp[size=2]+ac",
+        ),
         (  # precision flags alone change the precision of the target in effect
             ["--target", "fsdp", "--mixed_precision", "fp8", "--fp8_backend", "AO"],
             "fsdp+bf16+fp8[backend=torchao,scaling=current]",
@@ -205,8 +211,18 @@ def test_distribution_flags_replace_the_files_target_and_keep_its_precision(scri
         (["--use_fsdp", "--fsdp_min_num_params", "many"], "--fsdp_min_num_params: expected an"),
         (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps is 0"),
         (["-m", "--no_python"], "-m/--module and --no_python both given"),
+        (
+            ["--multi_gpu", "--use_parallelism_config", "--parallelism_config_tp_size", "2"],
+            "--parallelism_config_tp_size with --multi_gpu",
+        ),
+        (
+            ["--use_parallelism_config", "--parallelism_config_tp_size", "2",
+             "--parallelism_config_dp_replicate_size", "2"],
+            "--use_parallelism_config --parallelism_config_dp_replicate_size "
+            "--parallelism_config_tp_size: dp_replicate_size=2 with tp_size=2",
+        ),
     ],
-)
+)  # fmt: skip
 def test_bad_flag_combinations_name_the_flag(script, argv, message):
     with pytest.raises(LaunchError, match="^" + message.replace("[", r"\[")):
         plan(*argv, script=script)

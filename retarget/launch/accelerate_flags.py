@@ -15,6 +15,8 @@ Megatron-LM, MPI, SageMaker, IPEX, N-D parallelism options other than the sizes)
 so that using one is an error naming it and the reason, never argparse's "unrecognized
 arguments". --use_parallelism_config with --parallelism_config_{dp_replicate,dp_shard,tp}_size
 is the layout those sizes give (target/parallelism.py): tp 2 and dp_shard 2 is fsdp+tp[size=2].
+As in Accelerate it goes with --use_fsdp, whose flags keep their meaning (--fsdp_offload_params,
+--fsdp_activation_checkpointing, ...); --use_fsdp may be left out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from retarget.launch.config import LaunchError
 from retarget.target.accelerate_sections import read_target_sections
 from retarget.target.errors import TargetError
 from retarget.target.grammar import Target
-from retarget.target.parallelism import SIZES, UNSUPPORTED, parallelism_target
+from retarget.target.parallelism import SIZES, UNSUPPORTED
 from retarget.target.precisions import PRECISION_PART_NAMES
 
 __all__ = ["AccelerateFlags", "add_accelerate_arguments", "with_precision_flags"]
@@ -206,35 +208,34 @@ class AccelerateFlags:
         )  # fmt: skip
 
 
-def _layout(args: argparse.Namespace, kinds: list[str]) -> Target | None:
-    """--use_parallelism_config and its sizes as the target's distribution (with precision)."""
+def _parallelism(args: argparse.Namespace, kinds: list[str]) -> tuple[dict[str, int], str] | None:
+    """--use_parallelism_config's sizes (and the flags that gave them), read as the YAML
+    parallelism_config section beside FSDP: Accelerate takes them only with --use_fsdp, which
+    may be left out here."""
     sizes = {n: getattr(args, f"parallelism_config_{n}", None) for n in _SIZES}
     given = [f"--parallelism_config_{n}" for n, v in sizes.items() if v is not None]
-    if not (getattr(args, "use_parallelism_config", None) or given):
+    used = getattr(args, "use_parallelism_config", None)
+    if not (used or given):
         return None
-    if kinds or not getattr(args, "use_parallelism_config", None):
+    if not used or kinds not in ([], ["use_fsdp"]):
         other = f"--{kinds[0]}" if kinds else "nothing: add --use_parallelism_config"
+        if used:
+            other += " (Accelerate reads the sizes only with --use_fsdp)"
         raise LaunchError(f"{' '.join(given) or '--use_parallelism_config'} with {other}")
-    try:
-        layout = parallelism_target(sizes, "--parallelism_config")
-        mixed = getattr(args, "mixed_precision", None) or "no"
-        precision = read_target_sections({"distributed_type": "NO", "mixed_precision": mixed}, "")
-    except TargetError as error:
-        flags = " ".join(["--use_parallelism_config", *given])
-        raise LaunchError(f"{flags}: {str(error).split(': ', 1)[-1]}") from None
-    parts = [p for p in precision.parts if p.name != "single"]
-    return Target.from_dict({p.name: dict(p.options) for p in (*layout.parts, *parts)})
+    flags = " ".join(["--use_parallelism_config", *given])
+    return {n: v for n, v in sizes.items() if v is not None}, flags
 
 
 def _targets(args: argparse.Namespace) -> tuple[Target | None, Target | None, list[str]]:
     kinds = [name for name in _DISTRIBUTIONS if getattr(args, name, None)]
-    layout = _layout(args, kinds)
-    if layout is not None:
-        return layout, None, ["--use_parallelism_config"]
+    layout = _parallelism(args, kinds)
     if len(kinds) > 1:
         raise LaunchError(f"{' and '.join(f'--{k}' for k in kinds)} both given; keep one")
     data: dict[str, Any] = {"distributed_type": _DISTRIBUTIONS[kinds[0]] if kinds else "NO"}
     keys: dict[str, str] = {}
+    if layout is not None:
+        data["distributed_type"], data["parallelism_config"] = "FSDP", layout[0]
+        keys["parallelism_config"] = layout[1]
     for name, (section, key) in {**_SECTION_FLAGS, **_SECTION_SWITCHES}.items():
         value = getattr(args, name, None)
         if value is None:
@@ -261,7 +262,9 @@ def _targets(args: argparse.Namespace) -> tuple[Target | None, Target | None, li
         flag = keys.get(error.part or "") or " ".join(sorted(_given(args)))
         raise LaunchError(f"{flag}: {str(error).split(': ', 2)[-1]}") from None
     given = [f"--{name}" for name in kinds] + sorted(set(keys.values()) & _given(args))
-    if kinds:
+    if layout is not None:
+        given.insert(0, "--use_parallelism_config")
+    if kinds or layout is not None:
         return target, None, given
     if "fp8_config" in data or data["downcast_bf16"]:
         return None, _precision_parts(target), [g for g in given if g != "--mixed_precision"]

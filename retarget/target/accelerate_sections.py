@@ -18,6 +18,10 @@
                       defaults for it (te: amax_history=1024; torchao: scaling=current);
                       fp8_format, amax_history_len, amax_compute_algo, margin, interval,
                       override_linear_precision, use_autocast_during_eval, opt_level
+    parallelism_config  (with FSDP only) parallelism_config_{dp_replicate,dp_shard,tp}_size ->
+                      the layout of target/parallelism.py in place of fsdp_config's strategy,
+                      keeping its options: dp_shard 2 + tp 2 -> fsdp+tp[size=2]; cp/sp > 1 and
+                      the other cp_*/sp_* keys refused
     dynamo_config     dynamo_backend NO -> nothing, else compile[backend=<lowercase>];
                       dynamo_mode, dynamo_use_fullgraph, dynamo_use_dynamic,
                       dynamo_use_regional_compilation true -> scope=regions, false ->
@@ -55,7 +59,9 @@ from retarget.target.accelerate_keys import (
     upper_word,
     word_map,
 )
+from retarget.target.errors import TargetError
 from retarget.target.grammar import Target
+from retarget.target.parallelism import SIZES, UNSUPPORTED, parallelism_target, with_layout
 
 __all__ = ["read_distribution", "read_dynamo", "read_precision", "read_target_sections"]
 
@@ -185,6 +191,8 @@ _DISTRIBUTED: dict[str, Callable[[AccelerateFile, Parts], None]] = {
 }
 # Sections that only their distributed_type reads; Accelerate ignores them under other types.
 _SECTION_OWNER = {"fsdp_config": "FSDP", "deepspeed_config": "DEEPSPEED", "tp_config": "TP"}
+# Accelerate reads N-D sizes only with FSDP2 (its launcher refuses them otherwise).
+_SECTION_OWNER["parallelism_config"] = "FSDP"
 
 
 def read_distribution(file: AccelerateFile, parts: Parts) -> str:
@@ -204,7 +212,31 @@ def read_distribution(file: AccelerateFile, parts: Parts) -> str:
         if owner != kind and not is_noop(file.data.get(section)):
             file.fail(section, f"is set but distributed_type is {kind}; remove it, or use {owner}")
     _DISTRIBUTED[kind](file, parts)
+    _read_parallelism(file, parts)
     return kind
+
+
+_PREFIX = "parallelism_config_"
+_ND = "only the dp_replicate/dp_shard/tp/cp/sp sizes of a parallelism config are read"
+
+
+def _read_parallelism(file: AccelerateFile, parts: Parts) -> None:
+    """parallelism_config (Accelerate's N-D sizes, beside FSDP2 only) in place of the strategy
+    fsdp_config chose: target/parallelism.py maps the sizes and merges the two."""
+    config = read_section(file, "parallelism_config")
+    if is_noop(config):
+        return
+    sizes: dict[str, Any] = {}
+    for key, value in config.items():
+        name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        if name in (*SIZES, *UNSUPPORTED):
+            sizes[name] = value
+        elif not is_noop(value):
+            file.fail(f"parallelism_config.{key}", f"cannot be honoured: {_ND}")
+    try:
+        with_layout(parts, parallelism_target(sizes, "parallelism_config"), "parallelism_config")
+    except TargetError as error:
+        raise TargetError(f"{file.source}: {error}", part="parallelism_config") from None
 
 
 _FP8_FORMAT = word_map({"HYBRID": "hybrid", "E4M3": "e4m3"})

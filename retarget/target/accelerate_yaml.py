@@ -5,11 +5,11 @@ the target or to the launch settings, ignored because its value is a no-op (fals
 ``main``, ...), or refused with the reason. Unknown keys are errors, as in Accelerate.
 
 The keys that say the target (distributed_type, mixed_precision, fsdp_config, deepspeed_config,
-tp_config, fp8_config, dynamo_config) are read by accelerate_sections.py, whose docstring maps
-each of them; this module reads the file, the launch settings (num_processes, num_machines,
-machine_rank, main_process_ip/port, gradient_accumulation_steps, use_cpu, gpu_ids,
-rdzv_backend) and refuses the top-level keys nothing here can honour (TPU pods, Megatron-LM,
-mpirun, ...).
+tp_config, parallelism_config, fp8_config, dynamo_config) are read by accelerate_sections.py,
+whose docstring maps each of them; this module reads the file, the launch settings
+(num_processes, num_machines, machine_rank, main_process_ip/port, gradient_accumulation_steps,
+use_cpu, gpu_ids, rdzv_backend) and refuses the top-level keys nothing here can honour (TPU
+pods, Megatron-LM, mpirun, ...).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ _TOP_KEYS: dict[str, Handler] = {
         + ("fsdp_config", "deepspeed_config", "tp_config", "fp8_config", "dynamo_config")
         + ("dynamo_backend", "num_processes", "num_machines", "machine_rank", "use_cpu")
         + ("main_process_ip", "main_process_port", "gradient_accumulation_steps", "gpu_ids")
-        + ("rdzv_backend",),
+        + ("rdzv_backend", "parallelism_config"),
         read_elsewhere,
     ),
     "same_network": accepted(as_bool),  # only decides whether Accelerate asks for rdzv_backend
@@ -101,7 +101,6 @@ _TOP_KEYS: dict[str, Handler] = {
     "megatron_lm_config": refused_unless(why="Megatron-LM is not supported"),
     "ipex_config": refused_unless(why="Intel Extension for PyTorch is not supported"),
     "mpirun_config": refused_unless(why="retarget launches with torchrun, not mpirun"),
-    "parallelism_config": refused_unless(why="write the target instead, e.g. hsdp"),
 }
 _ENVIRONMENTS = {"LOCAL_MACHINE": False, "AMAZON_SAGEMAKER": True}
 
