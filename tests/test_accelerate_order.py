@@ -209,3 +209,36 @@ def test_dispatch_gives_what_accelerates_dispatcher_sends():
     from tests.distributed import run_ranks
 
     assert run_ranks(_dispatched_both, 2, timeout=240) == [[], []]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("own_generator", [True, False])
+def test_resume_from_an_epochs_end_shuffles_the_next_epoch_as_uninterrupted(world, own_generator):
+    """A checkpoint taken after an epoch's last batch: the resumed loader's next epochs are the
+    uninterrupted run's, not epoch 0's order again (the loader's own generator, and the sampler
+    generator Accelerate adds on several ranks, are saved as they are at the epoch's end)."""
+
+    def make() -> DataLoader:
+        generator = torch.Generator().manual_seed(7) if own_generator else None
+        return DataLoader(torch.arange(24), batch_size=3, shuffle=True, generator=generator)
+
+    def loader(rank: int) -> ShardedDataLoader:
+        state = ProcessState(rank=rank, world_size=world)
+        return ShardedDataLoader(make(), state, options=ShardOptions(order="accelerate"))
+
+    for rank in range(world):
+        torch.manual_seed(1234)
+        straight = loader(rank)
+        epochs = [[b.tolist() for b in straight] for _ in range(3)]
+
+        torch.manual_seed(1234)
+        first = loader(rank)
+        assert [b.tolist() for b in first] == epochs[0]
+        saved, rng = first.state_dict(), torch.get_rng_state()  # what a checkpoint holds
+
+        torch.manual_seed(99)  # a new process: the loader and the global RNG start afresh
+        resumed = loader(rank)
+        resumed.load_state_dict(saved)
+        torch.set_rng_state(rng)
+        assert [[b.tolist() for b in resumed] for _ in range(2)] == epochs[1:]
+        assert epochs[1] != epochs[0]

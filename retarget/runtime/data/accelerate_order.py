@@ -18,10 +18,11 @@ seedable sampler):
 The drawn batches are then dealt by `sharding.deal_rounds`, which gives each rank what
 Accelerate's `BatchSamplerShard` gives it, or in dispatch mode by `deal_dispatched` (what its
 `DataLoaderDispatcher` sends); tests/test_accelerate_order.py checks both against the installed
-accelerate. Resume: the generators' states at the epoch's start are part of
-`state()`; `replay(states)` makes the next draw start from them, then puts torch's global RNG
-back where it was (a checkpoint restores it) and leaves private generators as the uninterrupted
-run left them.
+accelerate. Resume inside an epoch: the generators' states at the epoch's start are part of
+`state_dict()`; `replay(states)` makes the next draw start from them, then puts torch's global
+RNG back where it was (a checkpoint restores it) and leaves private generators as the
+uninterrupted run left them. Resume at an epoch's end: the private generators' states then are
+saved and set back, so the next epoch shuffles as it would have (not as epoch 0 again).
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ class AccelerateDraws:
     def replay(self, states: list[torch.Tensor]) -> None:
         """Make the next `draw` start from these epoch-start states (a resumed epoch)."""
         self._replay = [s.clone() for s in states]
+
+    def state_dict(self, finished: bool) -> dict[str, list[torch.Tensor]]:
+        """Inside an epoch: the states it was drawn from (replayed on resume). At its end: the
+        loader's own generators as they are now, which the next epoch draws from (the global
+        RNG is the checkpoint's to restore)."""
+        if not finished:
+            return {"epoch_start_rng": list(self.epoch_start)}
+        return {"next_epoch_rng": [g.get_state() for g in self._generators() if g is not None]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict`'s point (a loader state without RNG states changes nothing)."""
+        if "epoch_start_rng" in state:
+            self.replay(state["epoch_start_rng"])
+        if "next_epoch_rng" in state:
+            owned = [g for g in self._generators() if g is not None]
+            for generator, saved in zip(owned, state["next_epoch_rng"], strict=True):
+                generator.set_state(saved)
 
     def draw(self, epoch: int) -> list[list[int]]:
         """Epoch `epoch`'s batches (all of them; [] on ranks that do not read in dispatch)."""

@@ -198,12 +198,11 @@ class ShardedDataLoader:
         """Where this loader is: resuming from it continues with the next unseen batch (in
         Accelerate's order, with the RNG states its epoch was drawn from)."""
         done = self._finished or (not self._iterable and self.position >= self._epoch_length())
-        if self._started and done:
-            return {"epoch": self.epoch + 1, "position": 0, "seed": self.seed}
-        position = self.position if self._started else self._skip
-        state: dict[str, Any] = {"epoch": self.epoch, "position": position, "seed": self.seed}
+        finished = self._started and done
+        position = 0 if finished else self.position if self._started else self._skip
+        state = {"epoch": self.epoch + finished, "position": position, "seed": self.seed}
         if self._draws is not None and self._started:
-            state["epoch_start_rng"] = list(self._draws.epoch_start)
+            state.update(self._draws.state_dict(finished))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -211,8 +210,8 @@ class ShardedDataLoader:
         self.seed = state["seed"]
         self.set_epoch(state["epoch"])
         self._skip = state["position"]
-        if self._draws is not None and "epoch_start_rng" in state:
-            self._draws.replay(state["epoch_start_rng"])
+        if self._draws is not None:
+            self._draws.load_state_dict(state)
 
     @property
     def total_dataset_length(self) -> int | None:
