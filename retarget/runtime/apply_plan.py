@@ -219,6 +219,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     from torch.distributed.device_mesh import init_device_mesh
 
     from retarget.runtime.apply_tp import apply_tp
+    from retarget.runtime.tp_fsdp import sum_partial_gradients_over_tp
 
     tp = program.plan.tp
     fsdp = program.plan.fsdp
@@ -229,11 +230,19 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
     # distribute_tensor scatters rank 0's copy of the split ones.
     broadcast_module_states(program.module)
-    # The regions holding split modules run eagerly (shard_tp), so no capture meets the hooks.
-    done = apply_tp(program.module, tp, mesh["tp"])
     if fsdp is None:
+        # The regions holding split modules run eagerly (shard_tp): no capture meets the hooks.
+        done = apply_tp(program.module, tp, mesh["tp"])
         release_replaced(program.original, program.module)
         return Applied("tp", state, mesh=mesh, tp_modules=done)
+    # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
+    # through Partial gradients (runtime.tp_fsdp), not by apply_tp's hook on a parameter that
+    # fully_shard replaces.
+    partial = [p for p, r in tp.rules.items() if r.style == "replicate_grad_allreduce"]
+    rules = {p: r for p, r in tp.rules.items() if p not in partial}
+    done = apply_tp(program.module, dataclasses.replace(tp, rules=rules), mesh["tp"])
+    for path in partial:
+        sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
     applied = _apply_fsdp(program, fsdp, state, mesh=mesh)
     applied.tp_modules = done
     return applied
@@ -243,14 +252,18 @@ def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState, mesh: Any
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from retarget.runtime.tp_fsdp import shard_placement
+
     if mesh is None:
         # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
         mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
         if plan.sync_module_states:
             broadcast_module_states(program.module)
-    shard_mesh = mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+    with_tp = "tp" in (mesh.mesh_dim_names or ())
     kwargs = {
-        "mesh": shard_mesh,
+        "mesh": mesh["dp"] if with_tp else mesh,
+        # tp's fused parts on dim 0 need a placement of their own (runtime.tp_fsdp).
+        "shard_placement_fn": shard_placement(mesh) if with_tp else None,
         "reshard_after_forward": plan.reshard_after_forward,
         "mp_policy": mixed_precision_policy(plan),
         "offload_policy": offload_policy(plan),
