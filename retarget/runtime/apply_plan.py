@@ -15,6 +15,10 @@ torchrun's environment), and:
   a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
   plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
   hold; parameters become DTensor shards.
+- tp: torch's parallel styles over the "tp" dim (runtime.apply_tp); with fsdp/zero2/zero3
+  beside it, then fully_shard per unit over "dp", with runtime.tp_fsdp placing what FSDP2 cannot
+  shard as is (fused parts on dim 0) and summing the gradients of the parameters tp keeps whole
+  but reads on split heads.
 
 Region graphs capture new call signatures while the model runs (a last, smaller batch); that
 capture traces the module's own forward, so the hooks FSDP installed on the module (which
