@@ -223,7 +223,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     from torch.distributed.device_mesh import init_device_mesh
 
     from retarget.runtime.apply_tp import apply_tp
-    from retarget.runtime.tp_fsdp import sum_partial_gradients_over_tp
+    from retarget.runtime.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
 
     tp = program.plan.tp
     fsdp = program.plan.fsdp
@@ -247,27 +247,32 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     done = apply_tp(program.module, dataclasses.replace(tp, rules=rules), mesh["tp"])
     for path in partial:
         sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
-    applied = _apply_fsdp(program, fsdp, state, mesh=mesh)
+    # tp's fused parts on dim 0 need a placement of their own (runtime.tp_fsdp).
+    applied = _apply_fsdp(program, fsdp, state, mesh=mesh, placement=shard_placement(mesh))
     applied.tp_modules = done
     return applied
 
 
-def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState, mesh: Any = None) -> Applied:
+def _apply_fsdp(
+    program: Program,
+    plan: FsdpPlan,
+    state: ProcessState,
+    mesh: Any = None,
+    placement: Callable[[nn.Parameter], Any] | None = None,
+) -> Applied:
+    """fully_shard per unit; under tp `mesh` is the (dp, tp) mesh and `placement` fully_shard's
+    shard_placement_fn."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from retarget.runtime.tp_fsdp import shard_placement
 
     if mesh is None:
         # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
         mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
         if plan.sync_module_states:
             broadcast_module_states(program.module)
-    with_tp = "tp" in (mesh.mesh_dim_names or ())
     kwargs = {
-        "mesh": mesh["dp"] if with_tp else mesh,
-        # tp's fused parts on dim 0 need a placement of their own (runtime.tp_fsdp).
-        "shard_placement_fn": shard_placement(mesh) if with_tp else None,
+        "mesh": mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh,
+        "shard_placement_fn": placement,
         "reshard_after_forward": plan.reshard_after_forward,
         "mp_policy": mixed_precision_policy(plan),
         "offload_policy": offload_policy(plan),
