@@ -142,11 +142,6 @@ def test_refusals_of_layouts_and_options():
     assert "tp[loss_parallel=true] is not implemented" in _refusal(
         "mlp", "tp[size=2,loss_parallel=true,plan=tests.tp_models:MLP_2]"
     )
-    # GPT-2's fused c_attn bias under FSDP: refused by module, with the reason.
-    message = _refusal("gpt2", "fsdp+tp[size=2,plan=tests.tp_models:GPT2_2]", world=4)
-    assert "module 'transformer.h.0.attn.c_attn': fsdp+tp with fused parts on dim 0 of bias" in (
-        message
-    )
     assert "cannot import it" in _refusal("mlp", "tp[size=2,plan=tests.tp_models:NOPE]")
 
 
@@ -156,14 +151,20 @@ def test_a_model_not_split_is_untouched_in_one_process():
     assert isinstance(compiled.program.submodule("blocks.0.0"), nn.Linear)
 
 
-def test_partial_gradient_norms_are_planned_and_refused_under_fsdp():
+def test_partial_gradient_norms_are_planned_alone_and_under_fsdp():
     """Qwen3's per-head q/k norms are read whole on each rank's heads: the auto plan marks them
-    replicate_grad_allreduce (their gradients are summed over tp, tests/test_tp_training.py),
-    and fsdp+tp, which replaces the parameter the hook is on, refuses them by name."""
-    compiled = _compile("qwen3", "tp[size=2]")
-    rules = compiled.program.plan.tp.rules
-    norms = [p for p in rules if p.endswith(("q_norm", "k_norm"))]
-    assert len(norms) == 2 * tm.LAYERS
-    assert all(rules[p].style == "replicate_grad_allreduce" for p in norms)
-    message = _refusal("qwen3", "fsdp+tp[size=2]", world=4)
-    assert "q_norm" in message and "partial on each tp rank" in message
+    replicate_grad_allreduce, under tp alone and under fsdp+tp (their gradients are summed over
+    tp by a hook, or as Partial DTensors under FSDP2: tests/test_tp_training.py)."""
+    for target, world in (("tp[size=2]", 2), ("fsdp+tp[size=2]", 4)):
+        rules = _compile("qwen3", target, world).program.plan.tp.rules
+        norms = [p for p in rules if p.endswith(("q_norm", "k_norm"))]
+        assert len(norms) == 2 * tm.LAYERS, target
+        assert all(rules[p].style == "replicate_grad_allreduce" for p in norms), target
+
+
+def test_fused_parts_on_dim_0_are_planned_under_fsdp():
+    """GPT-2's c_attn (bias [q|k|v] on dim 0) splits each part on its own under fsdp+tp too;
+    FSDP2 keeps that bias whole over dp (runtime/tp_fsdp.py, tests/test_tp_training.py)."""
+    plan = _compile("gpt2", "fsdp+tp[size=2,plan=tests.tp_models:GPT2_2]", world=4).program.plan
+    assert plan.tp.fused["transformer.h.0.attn.c_attn"] == 3
+    assert plan.tp.rules["transformer.h.0.attn.c_attn"].style == "colwise"

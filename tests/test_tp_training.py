@@ -1,7 +1,8 @@
 """tp[size=2] on 2 gloo ranks and fsdp+tp[size=2] on a 2x2 mesh of 4: loss and every gradient
 (gathered whole) equal one process's within 1e-5 relative, for each model of tests.tp_models,
-with its hand plan and with the plan derived from its graphs (plan=auto);
-20 training steps track one process's loss within 1e-4; clip_grad_norm_ equals one process's.
+with its hand plan and with the plan derived from its graphs (plan=auto), and after an
+accumulation window under fsdp+tp; 20 training steps track one process's loss within 1e-4;
+clip_grad_norm_ equals one process's; a checkpoint resumes bit for bit.
 
 Several models share one launch (4 ranks on 2 shared cores are slow).
 """
@@ -68,6 +69,29 @@ def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str,
         loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
         split = sum(hasattr(p, "placements") for p in compiled.parameters())
         out[name] = (loss_error, _gradient_errors(compiled, reference), split)
+    return out
+
+
+def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[str, float]:
+    """A window of 2 micro-steps of one row each (run.accumulate, run.backward): the gradients
+    FSDP2 holds back on the first and reduces on the second equal one process's on all rows."""
+    import retarget
+    from tests import tp_models as tm
+
+    out = {}
+    for name in names:
+        build, _, kind = tm.MODELS[name]
+        batch = tm.batch_for(kind, ROWS)
+        reference = build()
+        tm.loss_of(reference, batch).backward()
+        spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
+        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
+        run = compiled.runtime
+        mine = _rows(batch, rank // 2, world // 2)
+        for row in range(2):
+            with run.accumulate(2):
+                run.backward(tm.loss_of(compiled, {k: v[row : row + 1] for k, v in mine.items()}))
+        out[name] = _gradient_errors(compiled, reference)
     return out
 
 
@@ -157,18 +181,19 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     return {"saved_equal": saved_equal and len(written) > 0, "bitwise": bitwise}
 
 
-def _bf16_ac(rank: int, world: int) -> dict[str, Any]:
-    """fsdp+tp+bf16+ac on Llama: one step's loss against one float32 process (bf16 tolerance);
+def _bf16_ac(rank: int, world: int, name: str) -> dict[str, Any]:
+    """fsdp+tp+bf16+ac: one step's loss against one float32 process (bf16 tolerance);
     the blocks are checkpointed and FSDP gathers in bfloat16."""
     import torch.distributed as dist
 
     import retarget
     from tests import tp_models as tm
 
+    build = tm.MODELS[name][0]
     batch = tm.batch_for("lm", ROWS)
-    expected = tm.loss_of(tm.llama(), batch).item()
-    target = "fsdp+tp[size=2,plan=tests.tp_models:LLAMA_2]+bf16+ac"
-    compiled = retarget.compile_for(tm.llama(), target, example_inputs=_example("lm"))
+    expected = tm.loss_of(build(), batch).item()
+    target = f"fsdp+tp[size=2,plan=tests.tp_models:{name.upper()}_2]+bf16+ac"
+    compiled = retarget.compile_for(build(), target, example_inputs=_example("lm"))
     loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
     loss.backward()
     total = loss.detach().float().clone()
@@ -240,22 +265,33 @@ def test_tp_on_2_ranks_matches_one_process(tmp_path):
 
 
 def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
-    names = ["mlp", "llama", "qwen2", "neox", "bert"]
+    names = ["mlp", "llama", "qwen2", "qwen3", "neox", "gpt2", "bert"]
     target = "fsdp+tp[size=2,plan={plan}]"
     return {
-        "step": _one_step(rank, world, target, names),
+        "step": _one_step(rank, world, target, [*names, "mlp_fused_head"]),
         "auto": _one_step(rank, world, "fsdp+tp[size=2,plan=auto]", names),
+        "accumulated": _accumulated(rank, world, target, ["gpt2", "qwen3"]),
         "train": _training(rank, world, target, "llama"),
-        "checkpoint": _checkpoint(rank, world, target, "llama", folder),
-        "bf16_ac": _bf16_ac(rank, world),
+        # GPT-2's fused c_attn bias is replicated over dp, Qwen3's norms sum Partial gradients
+        # over tp (runtime/tp_fsdp.py): both through clipping, steps and a checkpoint.
+        "train_gpt2": _training(rank, world, target, "gpt2"),
+        "train_qwen3": _training(rank, world, target, "qwen3"),
+        "checkpoint": _checkpoint(rank, world, target, "gpt2", f"{folder}/gpt2"),
+        "checkpoint_qwen3": _checkpoint(rank, world, target, "qwen3", f"{folder}/qwen3"),
+        "bf16_ac": {name: _bf16_ac(rank, world, name) for name in ("llama", "qwen3")},
         "ranks": _accelerator_ranks(),
     }
 
 
 def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
-    results = run_ranks(_fsdp_tp_body, 4, str(tmp_path), timeout=1200)
-    assert all(r["checkpoint"] == {"saved_equal": True, "bitwise": True} for r in results)
+    results = run_ranks(_fsdp_tp_body, 4, str(tmp_path), timeout=1800)
+    for key in ("checkpoint", "checkpoint_qwen3"):
+        assert all(r[key] == {"saved_equal": True, "bitwise": True} for r in results), key
     _check_one_step(results[0])
+    for name, error in results[0]["accumulated"].items():
+        assert error <= 1e-5, (name, error)
+    for name in ("gpt2", "qwen3"):
+        _check_steps([r[f"train_{name}"] for r in results], 4)
     train = [r["train"] for r in results]
     assert train[0]["applied"] == "fully_shard x 3 (mesh (2, 2))"
     # The two tp ranks of a dp group saw the same rows, the two dp groups different ones.
@@ -268,7 +304,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     # gather_for_metrics gathers over dp: every sample once, not once per tp rank.
     assert all(t["gathered"] == list(range(16)) for t in train)
     assert [r["ranks"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
-    mixed = results[0]["bf16_ac"]
-    assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), mixed
-    assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])
-    assert mixed["param_dtype"] == "bfloat16"
+    for name, mixed in results[0]["bf16_ac"].items():
+        assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), (name, mixed)
+        assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])
+        assert mixed["param_dtype"] == "bfloat16"

@@ -224,9 +224,20 @@ def mlp_plan(model: nn.Module, size: int) -> TpPlan:
     return plan_of(model, size, expand(model, {"blocks.*.0": "colwise", "blocks.*.2": "rowwise"}))
 
 
+def mlp_fused_head_plan(model: nn.Module, size: int) -> TpPlan:
+    """mlp_plan with the head's 4 outputs split colwise_rep as 2 fused parts: an nn.Linear
+    whose weight and bias both hold fused parts on dim 0 (FSDP2 under fsdp+tp shards the
+    weight on dim 1 and keeps the bias whole over dp: runtime/tp_fsdp.py)."""
+    styles = expand(
+        model, {"blocks.*.0": "colwise", "blocks.*.2": "rowwise", "head": "colwise_rep"}
+    )
+    return plan_of(model, size, styles, fused={"head": 2})
+
+
 #: name -> (model builder, plan builder, input kind)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, int], TpPlan], str]] = {
     "mlp": (mlp, mlp_plan, "vector"),
+    "mlp_fused_head": (mlp, mlp_fused_head_plan, "vector"),
     "llama": (llama, hf_plan, "lm"),
     "qwen2": (qwen2, hf_plan, "lm"),
     "qwen3": (qwen3, hf_plan, "lm"),

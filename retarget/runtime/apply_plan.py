@@ -15,6 +15,10 @@ torchrun's environment), and:
   a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
   plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
   hold; parameters become DTensor shards.
+- tp: torch's parallel styles over the "tp" dim (runtime.apply_tp); with fsdp/zero2/zero3
+  beside it, then fully_shard per unit over "dp", with runtime.tp_fsdp placing what FSDP2 cannot
+  shard as is (fused parts on dim 0) and summing the gradients of the parameters tp keeps whole
+  but reads on split heads.
 
 Region graphs capture new call signatures while the model runs (a last, smaller batch); that
 capture traces the module's own forward, so the hooks FSDP installed on the module (which
@@ -219,6 +223,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     from torch.distributed.device_mesh import init_device_mesh
 
     from retarget.runtime.apply_tp import apply_tp
+    from retarget.runtime.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
 
     tp = program.plan.tp
     fsdp = program.plan.fsdp
@@ -229,17 +234,34 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
     # distribute_tensor scatters rank 0's copy of the split ones.
     broadcast_module_states(program.module)
-    # The regions holding split modules run eagerly (shard_tp), so no capture meets the hooks.
-    done = apply_tp(program.module, tp, mesh["tp"])
     if fsdp is None:
+        # The regions holding split modules run eagerly (shard_tp): no capture meets the hooks.
+        done = apply_tp(program.module, tp, mesh["tp"])
         release_replaced(program.original, program.module)
         return Applied("tp", state, mesh=mesh, tp_modules=done)
-    applied = _apply_fsdp(program, fsdp, state, mesh=mesh)
+    # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
+    # through Partial gradients (runtime.tp_fsdp), not by apply_tp's hook on a parameter that
+    # fully_shard replaces.
+    partial = [p for p, r in tp.rules.items() if r.style == "replicate_grad_allreduce"]
+    rules = {p: r for p, r in tp.rules.items() if p not in partial}
+    done = apply_tp(program.module, dataclasses.replace(tp, rules=rules), mesh["tp"])
+    for path in partial:
+        sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
+    # tp's fused parts on dim 0 need a placement of their own (runtime.tp_fsdp).
+    applied = _apply_fsdp(program, fsdp, state, mesh=mesh, placement=shard_placement(mesh))
     applied.tp_modules = done
     return applied
 
 
-def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState, mesh: Any = None) -> Applied:
+def _apply_fsdp(
+    program: Program,
+    plan: FsdpPlan,
+    state: ProcessState,
+    mesh: Any = None,
+    placement: Callable[[nn.Parameter], Any] | None = None,
+) -> Applied:
+    """fully_shard per unit; under tp `mesh` is the (dp, tp) mesh and `placement` fully_shard's
+    shard_placement_fn."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -248,9 +270,9 @@ def _apply_fsdp(program: Program, plan: FsdpPlan, state: ProcessState, mesh: Any
         mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
         if plan.sync_module_states:
             broadcast_module_states(program.module)
-    shard_mesh = mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
     kwargs = {
-        "mesh": shard_mesh,
+        "mesh": mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh,
+        "shard_placement_fn": placement,
         "reshard_after_forward": plan.reshard_after_forward,
         "mp_policy": mixed_precision_policy(plan),
         "offload_policy": offload_policy(plan),

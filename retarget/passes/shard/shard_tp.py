@@ -114,7 +114,7 @@ class ShardTp(Pass):
         _refuse_unimplemented(options)
         size = options.degree(program.world.size)
         plan = resolve_plan(program, options, size)
-        plan = _with_counts(check_plan(program, plan, options.data_parallel), program)
+        plan = _with_counts(check_plan(program, plan), program)
         program.plan.tp = plan
         eager = make_split_regions_eager(program, plan)
         notes = [plan.describe()]
@@ -174,7 +174,7 @@ def _referenced(spec: str) -> Any:
         raise TargetNotSupportedError(f"tp[plan={spec}]: cannot import it ({exc})") from exc
 
 
-def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPlan:
+def check_plan(program: Program, plan: TpPlan) -> TpPlan:
     """The plan, if every rule can be applied to the model; TargetNotSupportedError if not."""
     size = plan.size
     for path, rule in plan.rules.items():
@@ -189,12 +189,6 @@ def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPla
             raise TargetNotSupportedError(f"{where}: the model has no such module") from None
         if rule.style == "sequence_parallel":
             raise TargetNotSupportedError(f"{where}: sequence_parallel is not implemented")
-        if rule.style == "replicate_grad_allreduce" and data_parallel:
-            raise TargetNotSupportedError(
-                f"{where}: {data_parallel}+tp: its gradient is partial on each tp rank and is "
-                "summed by a hook on the parameter, which FSDP2 replaces when it shards; use "
-                "tp alone for this model"
-            )
         if rule.style in ("replicate", "replicate_grad_allreduce"):
             continue
         kind = module_kind(module)
@@ -213,13 +207,6 @@ def check_plan(program: Program, plan: TpPlan, data_parallel: str = "") -> TpPla
             param = getattr(module, name, None)
             if param is None or dim is None:
                 continue
-            if parts > 1 and dim == 0 and data_parallel:
-                raise TargetNotSupportedError(
-                    f"{where}: {data_parallel}+tp with fused parts on dim 0 of {name}: FSDP2 "
-                    "also shards dim 0, and over tp's strided split of the parts torch 2.13 "
-                    "computes wrong gradients for it (a known limit here); use tp alone for "
-                    "this model"
-                )
             width = param.shape[dim]
             if width % (size * parts):
                 what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
