@@ -257,6 +257,9 @@ def test_uncapturable_regions_run_their_eager_forward_under_autocast():
         out = compiled.blocks[0](torch.randn(2, 16))
     assert recorder.dtypes_of("mm", "addmm") == {torch.bfloat16}
     assert out.dtype == torch.float32
+    # Fed bfloat16 (FSDP's mixed precision casts a unit's inputs) it hands bfloat16 on, as its
+    # graph form would: a float32 output would meet the next unit's bfloat16 norm weights.
+    assert compiled.blocks[0](torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
     record = autocast_record(compiled)
     assert record.stats["regions"]["blocks.*"]["form"] == "eager"
     assert any(note.startswith("blocks.*: eager form") for note in record.notes)

@@ -110,3 +110,26 @@ def test_forced_styles_refuse_what_the_graph_cannot_run():
     forced = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
     (chain,) = _chains(EagerAttention(), x, forced=forced).chains
     assert chain.complete
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16+ac"])
+def test_a_graph_form_autocast_keeps_the_plan(name, precision):
+    """insert_autocast runs before shard_tp and casts each weight (and input) in the graph; the
+    chains look through those casts, so tp+bf16 splits what tp splits in float32 (before, every
+    Linear of a bf16 graph was 'not computed as a Linear' and replicated)."""
+    import transformers
+
+    import retarget
+    from retarget.models.hf_zoo import hf_model
+    from retarget.passes.shard.tp_derive import derive_tp_plan
+
+    entry = hf_model(name)
+    plans = {}
+    for target in ("single", precision):
+        torch.manual_seed(0)
+        model = getattr(transformers, entry.model_class)(entry.config()).train()
+        program = retarget.compile_for(model, target, example_inputs=entry.inputs(2)).program
+        plans[target] = {p: r.style for p, r in derive_tp_plan(program, 2).rules.items()}
+    assert list(plans[precision].values()).count("colwise") >= 4
+    assert plans[precision] == plans["single"]

@@ -181,9 +181,10 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     return {"saved_equal": saved_equal and len(written) > 0, "bitwise": bitwise}
 
 
-def _bf16_ac(rank: int, world: int, name: str) -> dict[str, Any]:
+def _bf16_ac(rank: int, world: int, name: str, plan: str = "") -> dict[str, Any]:
     """fsdp+tp+bf16+ac: one step's loss against one float32 process (bf16 tolerance);
-    the blocks are checkpointed and FSDP gathers in bfloat16."""
+    the blocks are checkpointed and FSDP gathers in bfloat16. `plan="auto"` derives the plan
+    from the bf16 graphs (their casts must not hide the Linears)."""
     import torch.distributed as dist
 
     import retarget
@@ -192,7 +193,8 @@ def _bf16_ac(rank: int, world: int, name: str) -> dict[str, Any]:
     build = tm.MODELS[name][0]
     batch = tm.batch_for("lm", ROWS)
     expected = tm.loss_of(build(), batch).item()
-    target = f"fsdp+tp[size=2,plan=tests.tp_models:{name.upper()}_2]+bf16+ac"
+    plan = plan or f"tests.tp_models:{name.upper()}_2"
+    target = f"fsdp+tp[size=2,plan={plan}]+bf16+ac"
     compiled = retarget.compile_for(build(), target, example_inputs=_example("lm"))
     loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
     loss.backward()
@@ -205,6 +207,9 @@ def _bf16_ac(rank: int, world: int, name: str) -> dict[str, Any]:
         "norm": float(norm),
         "passes": ran,
         "param_dtype": compiled.program.plan.fsdp.param_dtype,
+        "split": sum(
+            r.style in ("colwise", "rowwise") for r in compiled.program.plan.tp.rules.values()
+        ),
     }
 
 
@@ -278,7 +283,8 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
         "train_qwen3": _training(rank, world, target, "qwen3"),
         "checkpoint": _checkpoint(rank, world, target, "gpt2", f"{folder}/gpt2"),
         "checkpoint_qwen3": _checkpoint(rank, world, target, "qwen3", f"{folder}/qwen3"),
-        "bf16_ac": {name: _bf16_ac(rank, world, name) for name in ("llama", "qwen3")},
+        "bf16_ac": {name: _bf16_ac(rank, world, name) for name in ("llama", "qwen3", "gpt2")}
+        | {"gpt2 auto": _bf16_ac(rank, world, "gpt2", plan="auto")},
         "ranks": _accelerator_ranks(),
     }
 
@@ -307,4 +313,4 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     for name, mixed in results[0]["bf16_ac"].items():
         assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), (name, mixed)
         assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])
-        assert mixed["param_dtype"] == "bfloat16"
+        assert mixed["param_dtype"] == "bfloat16" and mixed["split"] >= 4, (name, mixed)

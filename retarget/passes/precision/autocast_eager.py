@@ -1,4 +1,5 @@
-"""insert_autocast's eager and glue forms: a forward run under torch.autocast, outputs in float32.
+"""insert_autocast's eager and glue forms: a forward run under torch.autocast, outputs in float32
+(a region's eager form: in bfloat16/float16 when all its floating inputs were).
 
 The eager form wraps the forward of a region no frontend captured (`LowPrecision.eager_form`);
 the glue form re-classes each plain Linear/Conv leaf outside the regions as an `AutocastModule`
@@ -33,13 +34,26 @@ class LowPrecision:
     dtype: torch.dtype
     autocast_eval: bool = True
 
-    def call(self, module: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
-        """`forward(*args, **kwargs)` of `module` under this policy."""
+    def call(
+        self, module: nn.Module, forward, args: tuple, kwargs: dict, *, as_inputs: bool = False
+    ) -> Any:
+        """`forward(*args, **kwargs)` of `module` under this policy. With `as_inputs` (a
+        region's eager form) outputs stay low precision when every floating input was (FSDP's
+        mixed precision hands a block bfloat16 activations): the dtypes its graph form gives,
+        and what the next unit's low-precision parameters expect (a norm refuses mixed dtypes
+        on CPU)."""
         if not (module.training or self.autocast_eval):
             return forward(*args, **kwargs)
         with torch.autocast(_device_type(module, args, kwargs), dtype=self.dtype):
             out = forward(*args, **kwargs)
+        if as_inputs and self._all_low_precision((args, kwargs)):
+            return out
         return tree_map_only(torch.Tensor, self._to_float32, out)
+
+    def _all_low_precision(self, inputs: Any) -> bool:
+        floats = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        floats = [t for t in floats if t.is_floating_point()]
+        return bool(floats) and all(t.dtype == self.dtype for t in floats)
 
     def install(self, module: nn.Module) -> None:
         """Run `module`'s forward under this policy (see AutocastModule)."""
@@ -57,7 +71,7 @@ class LowPrecision:
 
             @functools.wraps(forward)
             def run(*args, **kwargs):
-                return self.call(module, forward, args, kwargs)
+                return self.call(module, forward, args, kwargs, as_inputs=True)
 
             return run
 

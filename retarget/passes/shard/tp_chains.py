@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from retarget.passes.shard.tp_layout import Break, Sharded, Tracked, tensor_shape
+from retarget.passes.shard.tp_layout import CASTS, Break, Sharded, Tracked, tensor_shape
 from retarget.passes.shard.tp_layout_rules import layout_rule
 
 #: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight.
@@ -313,7 +313,10 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _weight_owner(node: Any) -> str | None:
-    """P when `node` is `get_attr P.weight`."""
+    """P when `node` is `get_attr P.weight`, or a dtype cast of it (the weight a graph-form
+    autocast casts is still that module's weight, split like it)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS:
+        node = node.args[0]
     if isinstance(node, fx.Node) and node.op == "get_attr" and node.target.endswith(".weight"):
         return node.target[: -len(".weight")]
     return None

@@ -34,11 +34,26 @@ def tensor_shape(node: Any) -> tuple[int, ...] | None:
 
     None when the frontend recorded no shape or a size has no example value (data-dependent).
     """
+    while isinstance(node, fx.Node) and "val" not in node.meta and _is_cast(node):
+        node = node.args[0]  # a cast a precision pass inserted keeps its input's shape
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor):
         return None
     sizes = [s if isinstance(s, int) else getattr(s.node, "hint", None) for s in value.shape]
     return None if None in sizes else tuple(int(s) for s in sizes)
+
+
+#: Dtype casts (a graph-form autocast inserts them, without a recorded value).
+CASTS = (
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+)
+
+
+def _is_cast(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in CASTS and bool(node.args)
 
 
 @dataclass
