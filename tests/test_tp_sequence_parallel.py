@@ -25,9 +25,11 @@ STEPS = 4
 LR = 0.05
 
 
-def one_step(rank: int, world: int, target: str, names: list[str], seq: int = 0) -> dict:
+def one_step(
+    rank: int, world: int, target: str, names: list[str], seq: int = 0, direct: bool = False
+) -> dict:
     """(loss error, worst gradient error, DTensor parameters) per model against one process;
-    the backward through the runtime (under loss_parallel it must run inside the context)."""
+    the backward through the runtime, or `loss.backward()` itself (`direct`)."""
     import torch.distributed as dist
 
     out = {}
@@ -42,7 +44,7 @@ def one_step(rank: int, world: int, target: str, names: list[str], seq: int = 0)
         compiled = retarget.compile_for(build(), target, example_inputs=_example(kind))
         dp = world // 2
         loss = tm.loss_of(compiled, _rows(batch, rank // 2, dp))
-        compiled.runtime.backward(loss)
+        loss.backward() if direct else compiled.runtime.backward(loss)
         total = loss.detach().clone()
         dist.all_reduce(total)
         loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
@@ -111,12 +113,16 @@ def test_sequence_parallel_on_2_ranks_matches_one_process():
 
 
 def _fsdp_sp_body(rank: int, world: int) -> dict[str, Any]:
-    return {"sp": one_step(rank, world, "fsdp+" + SP, ["llama"])}
+    return {
+        "sp": one_step(rank, world, "fsdp+" + SP, ["llama"]),
+        "sp_lp": one_step(rank, world, "fsdp+" + SP_LP, ["llama"], direct=True),
+    }
 
 
-def test_fsdp_tp_sequence_parallel_on_a_2x2_mesh(tmp_path):
+def test_fsdp_tp_sequence_parallel_on_a_2x2_mesh():
     results = run_ranks(_fsdp_sp_body, 4, timeout=900)
     check_one_step(results[0]["sp"], ["llama"])
+    check_one_step(results[0]["sp_lp"], ["llama"])
 
 
 def _plan(name: str, target: str) -> Any:

@@ -21,8 +21,8 @@ Styles (core.plans.TP_STYLES) and what realises each:
   gathers the sequence) / PrepareModuleOutput (a replicated embedding's output is split on it);
 - a rule's `sequence` ("gather"/"scatter") sets the layouts of torch's styles at the boundary of
   the sequence-split residual stream (see `style_for`); `vocab_output` keeps the LM head's
-  logits a vocab-split DTensor, and the compiled forward then runs inside torch's
-  `loss_parallel()` (`enter_loss_parallel`), as the runtime's backward does;
+  logits a vocab-split DTensor, the compiled forward then runs inside torch's
+  `loss_parallel()` and its loss's backward too (`enter_loss_parallel`);
 - replicate_grad_allreduce (a per-head norm read on split heads): kept whole, and a hook on
   each parameter all-reduces its partial gradient over the tp ranks.
 """
@@ -58,6 +58,7 @@ SEQUENCE = Shard(1)  # the residual stream's split under sequence parallelism: (
 def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
     """Split `module`'s planned submodules over the 1-D `mesh`; the paths split, in order."""
     done = []
+    tied = _tied_parameters(module)
     for path, rule in plan.rules.items():
         target = module.get_submodule(path)
         if rule.style == "replicate_grad_allreduce":
@@ -69,6 +70,7 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         parallelize_module(target, mesh, style)
         if rule.style != "replicate":
             done.append(path)
+    _tie_again(tied)
     if plan.loss_parallel:
         enter_loss_parallel(module)
     for path, values in plan.attribute_fixes.items():
@@ -81,6 +83,32 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         for attribute, value in values.items():
             setattr(target, attribute, value)
     return done
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) users of each parameter that more than one module holds (an LM head
+    tied to the input embedding)."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((sub, name))
+    return [group for group in users.values() if len(group) > 1]
+
+
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Distributing a parameter registers a new one on its module; the other users of a tied
+    parameter get that same one back (both splits must place it alike: loss_parallel splits
+    the embedding and the head on the vocabulary, dim 0 of both)."""
+    for group in tied:
+        params = [getattr(sub, name) for sub, name in group]
+        split = [p for p in params if isinstance(p, DTensor)]
+        if not split:
+            continue
+        if any(p.placements != split[0].placements for p in split):
+            where = ", ".join(f"{type(sub).__name__}.{name}" for sub, name in group)
+            raise ValueError(f"tp: tied parameter {where} split differently by its users")
+        for sub, name in group:
+            sub.register_parameter(name, split[0])
 
 
 def all_reduce_gradients(module: nn.Module, group: Any) -> None:
@@ -148,8 +176,13 @@ def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
 
 def enter_loss_parallel(module: nn.Module) -> None:
     """Run the compiled model's forward inside torch's loss_parallel(), so a cross entropy in
-    the model's code (HF's ForCausalLMLoss from `labels`) reads the vocab-split logits, and
-    hand back `loss` as a plain tensor (it is whole on every rank)."""
+    the model's code (HF's ForCausalLMLoss from `labels`) reads the vocab-split logits.
+
+    `loss` comes back a plain tensor (it is whole on every rank) that carries its backward's
+    context: a hook on it enters loss_parallel() when the backward reaches it, one on the
+    logits leaves it once the cross entropy's backward is done. So `loss.backward()`,
+    `compiled.runtime.backward(loss)` and `Accelerator.backward(loss)` all work, and nothing
+    else runs under the context."""
     OUTER_FORWARD.set(module, partial(_forward_in_loss_parallel, module))
 
 
@@ -161,9 +194,26 @@ def _forward_in_loss_parallel(module: nn.Module, *args: Any, **kwargs: Any) -> A
     finally:
         OUTER_FORWARD.set(module, outer)
     loss = output.get("loss") if isinstance(output, Mapping) else None
-    if isinstance(loss, DTensor):
-        output["loss"] = loss.to_local()  # Replicate: each rank's local value is the whole
+    if not isinstance(loss, DTensor):
+        return output
+    loss = loss.to_local()  # Replicate: each rank's local value is the whole loss
+    logits = output.get("logits")
+    if loss.requires_grad and isinstance(logits, DTensor) and logits.requires_grad:
+        entered: list[Any] = []
+        loss.register_hook(partial(_enter_backward, entered))
+        logits.register_hook(partial(_leave_backward, entered))
+    output["loss"] = loss
     return output
+
+
+def _enter_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    entered.append(loss_parallel())
+    entered[-1].__enter__()
+
+
+def _leave_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    if entered:
+        entered.pop().__exit__(None, None, None)
 
 
 def _distribute_params(

@@ -67,7 +67,6 @@ from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.runtime.step import (
     HeldGradients,
     Window,
-    backward_context,
     clip_grad_norm,
     clip_grad_value,
     gradient_sync,
@@ -269,8 +268,7 @@ class Runtime(ProcessStateFacade):
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
             self.guard.scaled_gradients = True
-        with backward_context(self.model):
-            loss.backward(**kwargs)
+        loss.backward(**kwargs)
         if window is None:
             return
         if not window.sync:

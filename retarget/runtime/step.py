@@ -22,8 +22,6 @@ Gradient accumulation with a plain optimizer that steps every micro-step:
   data), the synced gradients are multiplied by N / k, so every window averages its own
   micro-steps: N micro-steps, or a last partial window, equal one step on their concatenated
   batch (for equal micro-batch sizes).
-- Under tp[loss_parallel=true] the backward runs inside torch's `loss_parallel()`
-  (`backward_context`), as the cross entropy on vocab-split logits requires.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from retarget.core.slots import PROGRAM
 from retarget.runtime.apply_plan import Applied
 
 
@@ -101,19 +98,6 @@ def gradient_sync(applied: Applied | None, sync: bool) -> Iterator[None]:
             yield
         finally:
             root.set_requires_gradient_sync(True)
-
-
-def backward_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """What the backward runs inside: torch's `loss_parallel()` when the tp plan keeps the
-    logits split over the vocabulary (the cross entropy's backward must run under it, as its
-    forward did, see runtime.apply_tp.enter_loss_parallel), else nothing."""
-    program = PROGRAM.get(model)
-    tp = program.plan.tp if program is not None else None
-    if tp is None or not tp.loss_parallel:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
 
 
 def scale_gradients(params: Iterable[nn.Parameter], factor: float) -> None:
