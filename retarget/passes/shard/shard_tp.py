@@ -56,7 +56,11 @@ class TpOptions:
     plan: str = "auto"
     """auto | hf | PKG.MODULE:NAME (see the module docstring)."""
     sequence_parallel: bool = False
+    """Split the residual stream between blocks on the sequence (plan=auto; derived by
+    passes.shard.tp_sequence, applied with torch's SequenceParallel and Shard(1) layouts)."""
     loss_parallel: bool = False
+    """Keep the LM head's logits split over the vocabulary; the loss runs under torch's
+    loss_parallel() (plan=auto)."""
     data_parallel: str = ""
     """The fsdp-family part beside tp ("" when tp runs alone)."""
 
