@@ -2,7 +2,8 @@
 vocabulary and HF's loss from `labels` is computed by torch's loss_parallel(); loss and every
 gradient (gathered whole) equal one process's within 1e-5 relative for Llama (GQA) and Qwen2,
 through the runtime's backward and through `loss.backward()` itself; a few SGD steps track one
-process's loss; what `outputs.logits` is for metric code. (With sequence_parallel too: in
+process's loss; what `outputs.logits` is for metric code; generate() is refused by torch (the
+logits are a DTensor: a documented limit). (With sequence_parallel too: in
 tests/test_tp_sequence_parallel.py.)
 """
 
@@ -20,6 +21,7 @@ from tests.distributed import run_ranks
 from tests.test_tp_sequence_parallel import (
     check_one_step,
     check_training,
+    generate,
     one_step,
     training,
 )
@@ -56,6 +58,7 @@ def _lp_body(rank: int, world: int) -> dict[str, Any]:
         "direct": one_step(rank, world, LP, ["llama"], direct=True),
         "train": training(rank, world, LP, "llama"),
         "metrics": logits_for_metrics(rank, world),
+        "generate": generate(LP),
     }
 
 
@@ -71,6 +74,9 @@ def test_loss_parallel_on_2_ranks_matches_one_process():
         assert metrics["local_vocab"] == tm.VOCAB // 2
         assert metrics["logits_error"] <= 1e-5, metrics
         assert metrics["argmax_equal"] and metrics["loss_is_plain"], metrics
+        # generate() reads vocab-split logits as plain ones: torch refuses, loudly (a limit).
+        assert result["generate"][0] is False
+        assert "mixed torch.Tensor and DTensor" in result["generate"][1]
 
 
 def _plan(target: str) -> Any:

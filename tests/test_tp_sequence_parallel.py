@@ -1,9 +1,10 @@
 """tp[size=2, sequence_parallel=true] (and with loss_parallel=true) on 2 gloo ranks: loss and
 every gradient (gathered whole) equal one process's within 1e-5 relative for Llama (GQA) and
 Qwen2, a few SGD steps with clipping track one process's loss, a sequence the degree does not
-divide works (DTensor's uneven split); fsdp+tp[size=2, sequence_parallel=true] on a 2x2 mesh for
-Llama. One process: the plan carries the sequence boundaries and prints them; models whose code
-between the embedding and the blocks computes on the stream (GPT-2, BERT) are refused by name.
+divide works (DTensor's uneven split), greedy generate() equals one process's;
+fsdp+tp[size=2, sequence_parallel=true] on a 2x2 mesh for Llama. One process: the plan carries
+the sequence boundaries and prints them; models whose code between the embedding and the blocks
+computes on the stream (GPT-2, BERT) are refused by name.
 """
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ def training(rank: int, world: int, target: str, name: str) -> list[tuple[float,
     return losses
 
 
+def generate(target: str) -> tuple[bool, str]:
+    """Greedy generation with the KV cache (decode steps of one token: one rank's slice of
+    the sequence is empty) equals one process's; or the error it raised."""
+    ids = tm.batch_for("lm", 2)["input_ids"][:, :8]
+    expected = tm.llama().eval().generate(ids, max_new_tokens=4, do_sample=False)
+    compiled = retarget.compile_for(tm.llama(), target, example_inputs=_example("lm")).eval()
+    try:
+        got = compiled.generate(ids, max_new_tokens=4, do_sample=False)
+    except RuntimeError as error:
+        return False, str(error)
+    return torch.equal(got, expected), ""
+
+
 def check_one_step(result: dict[str, Any], names: list[str]) -> None:
     assert sorted(result) == sorted(names)
     for name, (loss_error, grad_error, split) in result.items():
@@ -99,6 +113,7 @@ def _sp_body(rank: int, world: int) -> dict[str, Any]:
         "uneven": one_step(rank, world, SP, ["llama"], seq=tm.zoo.SEQ - 1),
         "train_sp": training(rank, world, SP, "llama"),
         "train_sp_lp": training(rank, world, SP_LP, "qwen2"),
+        "generate": generate(SP),
     }
 
 
@@ -110,6 +125,7 @@ def test_sequence_parallel_on_2_ranks_matches_one_process():
     for key in ("train_sp", "train_sp_lp"):
         # Both tp ranks computed the whole loss; _check averages over the world.
         check_training([r[key] for r in results], 2)
+    assert all(r["generate"] == (True, "") for r in results), results[0]["generate"]
 
 
 def _fsdp_sp_body(rank: int, world: int) -> dict[str, Any]:

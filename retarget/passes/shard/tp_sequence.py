@@ -70,9 +70,10 @@ def sequence_rules(
 
 def _with(rule: TpRule, boundary: str) -> TpRule:
     what = {"gather": "all-gathers the sequence", "scatter": "reduce-scatters onto the sequence"}
+    reason = rule.reason.replace(" (one all-reduce)", "")  # the scatter replaces it
     return TpRule(
         style=rule.style,
-        reason=f"{rule.reason}; {what[boundary]}",
+        reason=f"{reason}; {what[boundary]}",
         sequence=boundary,
         vocab_output=rule.vocab_output,
     )
