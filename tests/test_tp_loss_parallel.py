@@ -41,6 +41,8 @@ def logits_for_metrics(rank: int, world: int) -> dict[str, Any]:
     whole = logits.full_tensor()
     predicted = logits.argmax(-1)
     gathered = compiled.runtime.gather_for_metrics(predicted.full_tensor())
+    as_tuple = compiled(**batch, return_dict=False)  # (loss, logits, ...)
+    as_tuple[0].backward()
     scale = reference.logits.abs().max().item()
     return {
         "placements": [str(p) for p in logits.placements],
@@ -49,6 +51,8 @@ def logits_for_metrics(rank: int, world: int) -> dict[str, Any]:
         "argmax_equal": torch.equal(gathered, reference.logits.argmax(-1)),
         "argmax_placements": [str(p) for p in predicted.placements],
         "loss_is_plain": type(outputs.loss) is torch.Tensor,
+        "tuple_loss_is_plain": type(as_tuple[0]) is torch.Tensor,
+        "tuple_loss_equal": torch.equal(as_tuple[0].detach(), outputs.loss.detach()),
     }
 
 
@@ -74,6 +78,7 @@ def test_loss_parallel_on_2_ranks_matches_one_process():
         assert metrics["local_vocab"] == tm.VOCAB // 2
         assert metrics["logits_error"] <= 1e-5, metrics
         assert metrics["argmax_equal"] and metrics["loss_is_plain"], metrics
+        assert metrics["tuple_loss_is_plain"] and metrics["tuple_loss_equal"], metrics
         # generate() reads vocab-split logits as plain ones: torch refuses, loudly (a limit).
         assert result["generate"][0] is False
         assert "mixed torch.Tensor and DTensor" in result["generate"][1]

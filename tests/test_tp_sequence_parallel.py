@@ -1,7 +1,7 @@
 """tp[size=2, sequence_parallel=true] (and with loss_parallel=true) on 2 gloo ranks: loss and
 every gradient (gathered whole) equal one process's within 1e-5 relative for Llama (GQA) and
 Qwen2, a few SGD steps with clipping track one process's loss, a sequence the degree does not
-divide works (DTensor's uneven split), greedy generate() equals one process's;
+divide works (DTensor's uneven split), so do padded rows, greedy generate() equals one process's;
 fsdp+tp[size=2, sequence_parallel=true] on a 2x2 mesh for Llama. One process: the plan carries
 the sequence boundaries and prints them; models whose code between the embedding and the blocks
 computes on the stream (GPT-2, BERT) are refused by name.
@@ -27,10 +27,17 @@ LR = 0.05
 
 
 def one_step(
-    rank: int, world: int, target: str, names: list[str], seq: int = 0, direct: bool = False
+    rank: int,
+    world: int,
+    target: str,
+    names: list[str],
+    seq: int = 0,
+    direct: bool = False,
+    padded: bool = False,
 ) -> dict:
     """(loss error, worst gradient error, DTensor parameters) per model against one process;
-    the backward through the runtime, or `loss.backward()` itself (`direct`)."""
+    the backward through the runtime, or `loss.backward()` itself (`direct`); `padded`: rows
+    right-padded (an attention mask, padded labels -100)."""
     import torch.distributed as dist
 
     out = {}
@@ -39,6 +46,11 @@ def one_step(
         batch = tm.batch_for(kind, ROWS)
         if seq:
             batch = {k: v[:, :seq] for k, v in batch.items()}
+        if padded:
+            mask = torch.ones_like(batch["input_ids"])
+            mask[1, 12:], mask[3, 9:] = 0, 0
+            batch["attention_mask"] = mask
+            batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
         reference = build()
         expected = tm.loss_of(reference, batch)
         expected.backward()
@@ -111,6 +123,7 @@ def _sp_body(rank: int, world: int) -> dict[str, Any]:
         "sp": one_step(rank, world, SP, ["llama", "qwen2", "neox"]),
         "sp_lp": one_step(rank, world, SP_LP, ["llama", "qwen2"]),
         "uneven": one_step(rank, world, SP, ["llama"], seq=tm.zoo.SEQ - 1),
+        "padded": one_step(rank, world, SP_LP, ["llama"], padded=True),
         "train_sp": training(rank, world, SP, "llama"),
         "train_sp_lp": training(rank, world, SP_LP, "qwen2"),
         "generate": generate(SP),
@@ -122,6 +135,7 @@ def test_sequence_parallel_on_2_ranks_matches_one_process():
     check_one_step(results[0]["sp"], ["llama", "qwen2", "neox"])
     check_one_step(results[0]["sp_lp"], ["llama", "qwen2"])
     check_one_step(results[0]["uneven"], ["llama"])
+    check_one_step(results[0]["padded"], ["llama"])
     for key in ("train_sp", "train_sp_lp"):
         # Both tp ranks computed the whole loss; _check averages over the world.
         check_training([r[key] for r in results], 2)

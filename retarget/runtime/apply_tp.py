@@ -193,17 +193,24 @@ def _forward_in_loss_parallel(module: nn.Module, *args: Any, **kwargs: Any) -> A
             output = module.forward(*args, **kwargs)
     finally:
         OUTER_FORWARD.set(module, outer)
-    loss = output.get("loss") if isinstance(output, Mapping) else None
-    if not isinstance(loss, DTensor):
+    mapping = isinstance(output, Mapping)
+    if mapping:
+        loss, logits = output.get("loss"), output.get("logits")
+    elif isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (loss, logits, ..)
+        loss, logits = output[0], output[1]
+    else:
+        return output
+    if not isinstance(loss, DTensor) or loss.ndim:
         return output
     loss = loss.to_local()  # Replicate: each rank's local value is the whole loss
-    logits = output.get("logits")
     if loss.requires_grad and isinstance(logits, DTensor) and logits.requires_grad:
         entered: list[Any] = []
         loss.register_hook(partial(_enter_backward, entered))
         logits.register_hook(partial(_leave_backward, entered))
-    output["loss"] = loss
-    return output
+    if mapping:
+        output["loss"] = loss
+        return output
+    return (loss, *output[1:])
 
 
 def _enter_backward(entered: list[Any], grad: torch.Tensor) -> None:
