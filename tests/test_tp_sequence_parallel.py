@@ -146,6 +146,7 @@ def _fsdp_sp_body(rank: int, world: int) -> dict[str, Any]:
     return {
         "sp": one_step(rank, world, "fsdp+" + SP, ["llama"]),
         "sp_lp": one_step(rank, world, "fsdp+" + SP_LP, ["llama"], direct=True),
+        "train": training(rank, world, "fsdp+" + SP_LP, "llama"),
     }
 
 
@@ -153,6 +154,8 @@ def test_fsdp_tp_sequence_parallel_on_a_2x2_mesh():
     results = run_ranks(_fsdp_sp_body, 4, timeout=900)
     check_one_step(results[0]["sp"], ["llama"])
     check_one_step(results[0]["sp_lp"], ["llama"])
+    # Each dp group's loss is its rows' (the mean of the two groups is one process's).
+    check_training([r["train"] for r in results], 4)
 
 
 def _plan(name: str, target: str) -> Any:
