@@ -167,7 +167,7 @@ def test_bad_factory_spec_exits_2_with_one_line(capsys, spec, problem):
     ("target", "problem"),
     [
         ("fsdpp", "did you mean 'fsdp'?"),
-        ("tp[size=2,sequence_parallel=true]", "tp[sequence_parallel=true] is not implemented"),
+        ("tp[size=2,sequence_parallel=true,plan=hf]", "use plan=auto"),
     ],
 )
 def test_bad_target_exits_2(capsys, target, problem):

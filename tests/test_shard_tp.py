@@ -136,11 +136,16 @@ def test_refusals_of_layouts_and_options():
     assert "fsdp+tp: say the tensor-parallel degree" in _refusal(
         "mlp", "fsdp+tp[plan=tests.tp_models:MLP_2]", world=4
     )
-    assert "tp[sequence_parallel=true] is not implemented" in _refusal(
-        "mlp", "tp[size=2,sequence_parallel=true,plan=tests.tp_models:MLP_2]"
+    # Sequence and loss parallelism are derived (plan=auto); a record must say them itself.
+    assert "the target says sequence_parallel=true, the plan record sequence_parallel=False" in (
+        _refusal("mlp", "tp[size=2,sequence_parallel=true,plan=tests.tp_models:MLP_2]")
     )
-    assert "tp[loss_parallel=true] is not implemented" in _refusal(
-        "mlp", "tp[size=2,loss_parallel=true,plan=tests.tp_models:MLP_2]"
+    assert "the target says loss_parallel=true, the plan record loss_parallel=False" in (
+        _refusal("mlp", "tp[size=2,loss_parallel=true,plan=tests.tp_models:MLP_2]")
+    )
+    # The MLP has no LM head to gather the sequence, nor logits to split.
+    assert "CompiledMlp has no LM head (get_output_embeddings())" in _refusal(
+        "mlp", "tp[size=2,sequence_parallel=true]"
     )
     assert "cannot import it" in _refusal("mlp", "tp[size=2,plan=tests.tp_models:NOPE]")
 

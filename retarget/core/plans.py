@@ -247,6 +247,15 @@ class TpRule:
 
     style: str
     reason: str
+    sequence: str = ""
+    """With sequence parallelism, where the module meets the residual stream that is split on
+    the sequence dim (dim 1) between blocks: "gather" (its input is split on the sequence and
+    all-gathered first: a block's colwise Linears, a replicated LM head), "scatter" (its output
+    is reduce-scattered onto the sequence: a block's rowwise Linears, the input embedding), or
+    "" (neither)."""
+    vocab_output: bool = False
+    """loss_parallel's LM head: the logits stay a DTensor split over the vocabulary (the last
+    dim), which cross entropy reads under torch's `loss_parallel()`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,7 +276,9 @@ class TpPlan:
     """Module path -> parts fused along its sharded dim (3 for GPT-2's c_attn q|k|v): each part
     is split on its own, so every rank holds its slice of q, of k and of v."""
     sequence_parallel: bool = False
+    """The residual stream between blocks is split on the sequence dim (rules' `sequence`)."""
     loss_parallel: bool = False
+    """The LM head's logits stay split over the vocabulary (its rule's `vocab_output`)."""
     per_rank_numel: int = 0
     total_numel: int = 0
     blocks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -278,10 +289,21 @@ class TpPlan:
         for rule in self.rules.values():
             styles[rule.style] = styles.get(rule.style, 0) + 1
         split = ", ".join(f"{n} {s}" for s, n in styles.items()) or "nothing split"
-        return (
+        text = (
             f"tp[size={self.size}] ({self.source}): {split}; "
             f"{self.per_rank_numel:,} of {self.total_numel:,} parameter elements per rank"
         )
+        if self.sequence_parallel:
+            bounds = [r.sequence for r in self.rules.values()]
+            text += (
+                f"; sequence_parallel: residual stream split on the sequence, "
+                f"{bounds.count('gather')} modules all-gather it, "
+                f"{bounds.count('scatter')} reduce-scatter onto it"
+            )
+        if self.loss_parallel:
+            heads = [p for p, r in self.rules.items() if r.vocab_output]
+            text += f"; loss_parallel: {', '.join(heads) or 'no'} logits split over the vocabulary"
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     PROGRAM        the compiled model's Program                     driver.compile
     RUNTIME        its Runtime, made on first use                   driver.compiled
     OUTER_FORWARD  the call the compiled forward goes through (DDP) runtime.apply_plan
+                   (tp loss_parallel: torch's loss_parallel())     runtime.apply_tp
     APPLIED        what apply_plan applied (runtime.apply_plan.Applied)  runtime.apply_plan
     STEP_GUARD     the optimizer StepGuard                          runtime.optimizers
     REGION         the Region a block repeat belongs to             passes.capture.capture_regions

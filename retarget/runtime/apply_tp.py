@@ -16,13 +16,20 @@ Styles (core.plans.TP_STYLES) and what realises each:
   fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
   slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
   `full_tensor()`, state_dict and DCP see the unfused-order weight;
-- sequence_parallel: torch's SequenceParallel; replicate: nothing;
+- sequence_parallel: torch's SequenceParallel (a norm on sequence slices; DTensor out);
+  replicate: nothing, or at a sequence boundary PrepareModuleInput (a replicated LM head
+  gathers the sequence) / PrepareModuleOutput (a replicated embedding's output is split on it);
+- a rule's `sequence` ("gather"/"scatter") sets the layouts of torch's styles at the boundary of
+  the sequence-split residual stream (see `style_for`); `vocab_output` keeps the LM head's
+  logits a vocab-split DTensor, the compiled forward then runs inside torch's
+  `loss_parallel()` and its loss's backward too (`enter_loss_parallel`);
 - replicate_grad_allreduce (a per-head norm read on split heads): kept whole, and a hook on
   each parameter all-reduces its partial gradient over the tp ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -32,29 +39,40 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from retarget.core.plans import TpPlan
+from retarget.core.plans import TpPlan, TpRule
+from retarget.core.slots import OUTER_FORWARD
 from retarget.core.tp_split_dims import module_kind, split_dims
+
+SEQUENCE = Shard(1)  # the residual stream's split under sequence parallelism: (batch, seq, hidden)
 
 
 def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
     """Split `module`'s planned submodules over the 1-D `mesh`; the paths split, in order."""
     done = []
+    tied = _tied_parameters(module)
     for path, rule in plan.rules.items():
         target = module.get_submodule(path)
         if rule.style == "replicate_grad_allreduce":
             all_reduce_gradients(target, mesh.get_group())
             continue
-        style = style_for(rule.style, target, plan.fused.get(path, 1))
+        style = style_for(rule, target, plan.fused.get(path, 1))
         if style is None:
             continue
         parallelize_module(target, mesh, style)
-        done.append(path)
+        if rule.style != "replicate":
+            done.append(path)
+    _tie_again(tied)
+    if plan.loss_parallel:
+        enter_loss_parallel(module)
     for path, values in plan.attribute_fixes.items():
         if path in done:
             # A split module's own forward runs on DTensors, whose sizes are the whole
@@ -65,6 +83,32 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         for attribute, value in values.items():
             setattr(target, attribute, value)
     return done
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) users of each parameter that more than one module holds (an LM head
+    tied to the input embedding)."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((sub, name))
+    return [group for group in users.values() if len(group) > 1]
+
+
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Distributing a parameter registers a new one on its module; the other users of a tied
+    parameter get that same one back (both splits must place it alike: loss_parallel splits
+    the embedding and the head on the vocabulary, dim 0 of both)."""
+    for group in tied:
+        params = [getattr(sub, name) for sub, name in group]
+        split = [p for p in params if isinstance(p, DTensor)]
+        if not split:
+            continue
+        if any(p.placements != split[0].placements for p in split):
+            where = ", ".join(f"{type(sub).__name__}.{name}" for sub, name in group)
+            raise ValueError(f"tp: tied parameter {where} split differently by its users")
+        for sub, name in group:
+            sub.register_parameter(name, split[0])
 
 
 def all_reduce_gradients(module: nn.Module, group: Any) -> None:
@@ -82,27 +126,101 @@ def all_reduce_gradients(module: nn.Module, group: Any) -> None:
             param.register_hook(summed)
 
 
-def style_for(style: str, module: nn.Module, parts: int = 1) -> Any:
-    """The ParallelStyle that realises `style` on `module` (None for replicate)."""
-    if style in ("replicate", "replicate_grad_allreduce"):
+def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
+    """The ParallelStyle that realises `rule` on `module` (None: nothing to install).
+
+    Sequence boundaries (`rule.sequence`) set the layouts: "gather" reads an input split on
+    the sequence (Shard(1)) and all-gathers it, "scatter" reduce-scatters the output onto the
+    sequence and hands on the DTensor, so the stream between blocks keeps its whole shape
+    (model code reading `hidden_states.shape` sees the whole sequence). `vocab_output` keeps
+    the logits a DTensor split over the vocabulary (Shard(-1)), for torch's loss_parallel().
+    """
+    style, sequence = rule.style, rule.sequence
+    if style == "replicate_grad_allreduce":
+        return None
+    if style == "replicate":
+        if sequence == "gather":
+            return PrepareModuleInput(
+                input_layouts=(SEQUENCE,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,  # the whole sequence, into a plain module
+            )
+        if sequence == "scatter":
+            return PrepareModuleOutput(
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(SEQUENCE,),
+                use_local_output=False,
+            )
         return None
     if style == "sequence_parallel":
         return SequenceParallel()
+    kwargs: dict[str, Any] = {}
+    if sequence == "gather":
+        kwargs["input_layouts"] = SEQUENCE
+    if sequence == "scatter":
+        kwargs.update(output_layouts=SEQUENCE, use_local_output=False)
+    if rule.vocab_output:
+        kwargs.update(output_layouts=Shard(-1), use_local_output=False)
+    if style == "colwise_rep":
+        kwargs["output_layouts"] = Replicate()
+    if style == "rowwise_rep":
+        kwargs["input_layouts"] = Replicate()
     kind = module_kind(module)
     plain = kind in ("linear", "embedding") and parts == 1
-    if style == "colwise":
-        return ColwiseParallel() if plain else SplitColwise(kind, parts)
-    if style == "colwise_rep":
-        if plain:
-            return ColwiseParallel(output_layouts=Replicate())
-        return SplitColwise(kind, parts, output_layouts=Replicate())
-    if style == "rowwise":
-        return RowwiseParallel() if plain else SplitRowwise(kind)
-    if style == "rowwise_rep":
-        if plain:
-            return RowwiseParallel(input_layouts=Replicate())
-        return SplitRowwise(kind, input_layouts=Replicate())
+    if style in ("colwise", "colwise_rep"):
+        return ColwiseParallel(**kwargs) if plain else SplitColwise(kind, parts, **kwargs)
+    if style in ("rowwise", "rowwise_rep"):
+        return RowwiseParallel(**kwargs) if plain else SplitRowwise(kind, **kwargs)
     raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+def enter_loss_parallel(module: nn.Module) -> None:
+    """Run the compiled model's forward inside torch's loss_parallel(), so a cross entropy in
+    the model's code (HF's ForCausalLMLoss from `labels`) reads the vocab-split logits.
+
+    `loss` comes back a plain tensor (it is whole on every rank) that carries its backward's
+    context: a hook on it enters loss_parallel() when the backward reaches it, one on the
+    logits leaves it once the cross entropy's backward is done. So `loss.backward()`,
+    `compiled.runtime.backward(loss)` and `Accelerator.backward(loss)` all work, and nothing
+    else runs under the context."""
+    OUTER_FORWARD.set(module, partial(_forward_in_loss_parallel, module))
+
+
+def _forward_in_loss_parallel(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    outer = OUTER_FORWARD.pop(module)
+    try:
+        with loss_parallel():
+            output = module.forward(*args, **kwargs)
+    finally:
+        OUTER_FORWARD.set(module, outer)
+    mapping = isinstance(output, Mapping)
+    if mapping:
+        loss, logits = output.get("loss"), output.get("logits")
+    elif isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (loss, logits, ..)
+        loss, logits = output[0], output[1]
+    else:
+        return output
+    if not isinstance(loss, DTensor) or loss.ndim:
+        return output
+    loss = loss.to_local()  # Replicate: each rank's local value is the whole loss
+    if loss.requires_grad and isinstance(logits, DTensor) and logits.requires_grad:
+        entered: list[Any] = []
+        loss.register_hook(partial(_enter_backward, entered))
+        logits.register_hook(partial(_leave_backward, entered))
+    if mapping:
+        output["loss"] = loss
+        return output
+    return (loss, *output[1:])
+
+
+def _enter_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    entered.append(loss_parallel())
+    entered[-1].__enter__()
+
+
+def _leave_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    if entered:
+        entered.pop().__exit__(None, None, None)
 
 
 def _distribute_params(

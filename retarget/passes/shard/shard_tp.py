@@ -14,8 +14,9 @@ Both readers are imported when asked for: a build without them refuses `plan=` b
 The pass checks the plan against the model, refusing (TargetNotSupportedError, naming the
 module and why) a rule on a missing module, a style no splitter implements for that kind of
 module (core.tp_split_dims: nn.Linear, nn.Embedding, GPT-2's Conv1D), a split dim the degree does
-not divide (a fused q|k|v dim: each part), and the options not implemented here
-(sequence_parallel, loss_parallel). It records the plan with its per-rank parameter counts
+not divide (a fused q|k|v dim: each part), and sequence_parallel/loss_parallel with plan=hf or
+a dict (derived only: the stream's boundaries come from the graph walk and a run of the example;
+`passes.shard.tp_sequence`). It records the plan with its per-rank parameter counts
 (`program.plan.tp`, a TpPlan); the runtime applies it with torch's parallel styles over the
 "tp" dim of the mesh (`runtime.apply_tp`), after which FSDP2 (fsdp+tp) shards over "dp".
 
@@ -55,7 +56,11 @@ class TpOptions:
     plan: str = "auto"
     """auto | hf | PKG.MODULE:NAME (see the module docstring)."""
     sequence_parallel: bool = False
+    """Split the residual stream between blocks on the sequence (plan=auto; derived by
+    passes.shard.tp_sequence, applied with torch's SequenceParallel and Shard(1) layouts)."""
     loss_parallel: bool = False
+    """Keep the LM head's logits split over the vocabulary; the loss runs under torch's
+    loss_parallel() (plan=auto)."""
     data_parallel: str = ""
     """The fsdp-family part beside tp ("" when tp runs alone)."""
 
@@ -128,11 +133,13 @@ class ShardTp(Pass):
 
 
 def _refuse_unimplemented(options: TpOptions) -> None:
+    """Sequence and loss parallelism are derived with the plan (their boundary rules need the
+    graph walk and a run of the example); a hand plan carries only styles."""
     for option in ("sequence_parallel", "loss_parallel"):
-        if getattr(options, option):
+        if getattr(options, option) and options.plan == "hf":
             raise TargetNotSupportedError(
-                f"tp[{option}=true] is not implemented: shard_tp splits Linear/Embedding/Conv1D "
-                "weights with replicated activations between blocks; drop the option"
+                f"tp[{option}=true, plan=hf]: the config's base_model_tp_plan says nothing of "
+                f"where the stream is split; use plan=auto, which derives the {option} rules"
             )
 
 
@@ -140,7 +147,12 @@ def resolve_plan(program: Program, options: TpOptions, size: int) -> TpPlan:
     """The TpPlan `plan=` names: derived, read from a hand plan, or a TpPlan object as given."""
     if options.plan == "auto":
         derive = _reader("retarget.passes.shard.tp_derive", "derive_tp_plan", "tp[plan=auto]")
-        return derive(program, size, sequence_parallel=False, loss_parallel=False)
+        return derive(
+            program,
+            size,
+            sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel,
+        )
     if options.plan != "hf":
         given = _referenced(options.plan)
         if isinstance(given, TpPlan):
@@ -149,7 +161,20 @@ def resolve_plan(program: Program, options: TpOptions, size: int) -> TpPlan:
                     f"tp[plan={options.plan}]: the plan is for size {given.size}, the target "
                     f"asks for size {size}"
                 )
+            for option in ("sequence_parallel", "loss_parallel"):
+                if getattr(options, option) != getattr(given, option):
+                    raise TargetNotSupportedError(
+                        f"tp[plan={options.plan}]: the target says {option}="
+                        f"{str(getattr(options, option)).lower()}, the plan record "
+                        f"{option}={getattr(given, option)}; make them agree"
+                    )
             return given
+        if options.sequence_parallel or options.loss_parallel:
+            raise TargetNotSupportedError(
+                f"tp[plan={options.plan}]: a dict of styles says nothing of where the stream "
+                "is split; use plan=auto with sequence_parallel/loss_parallel, or name a TpPlan "
+                "record that sets them"
+            )
     read = _reader(
         "retarget.passes.shard.tp_hand_plan", "read_hand_plan", f"tp[plan={options.plan}]"
     )
@@ -187,10 +212,17 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
             module = program.submodule(path)
         except AttributeError:
             raise TargetNotSupportedError(f"{where}: the model has no such module") from None
-        if rule.style == "sequence_parallel":
-            raise TargetNotSupportedError(f"{where}: sequence_parallel is not implemented")
-        if rule.style in ("replicate", "replicate_grad_allreduce"):
-            continue
+        if (rule.style == "sequence_parallel" or rule.sequence) and not plan.sequence_parallel:
+            raise TargetNotSupportedError(
+                f"{where}: splits the sequence ({rule.style}, {rule.sequence or 'norm'}) but "
+                "the plan is not sequence_parallel: its neighbours would read a split stream"
+            )
+        if rule.vocab_output and not plan.loss_parallel:
+            raise TargetNotSupportedError(
+                f"{where}: logits split over the vocabulary but the plan is not loss_parallel"
+            )
+        if rule.style in ("replicate", "replicate_grad_allreduce", "sequence_parallel"):
+            continue  # nothing split: SequenceParallel replicates any module's parameters
         kind = module_kind(module)
         if kind is None:
             raise TargetNotSupportedError(
@@ -213,6 +245,11 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
                 raise TargetNotSupportedError(
                     f"{where}: {name} dim {dim} ({what}) does not split evenly into {size}"
                 )
+    if plan.loss_parallel and not any(r.vocab_output for r in plan.rules.values()):
+        raise TargetNotSupportedError(
+            f"tp plan {plan.source}: loss_parallel but no rule keeps logits split over the "
+            "vocabulary (vocab_output): the loss would read one rank's columns as the whole"
+        )
     for path, fixes in plan.attribute_fixes.items():
         try:
             module = program.submodule(path)
@@ -277,7 +314,9 @@ def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
 def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:
     """Mark every region that holds a split module eager-only; their names."""
     split = [
-        p for p, r in plan.rules.items() if r.style not in ("replicate", "replicate_grad_allreduce")
+        p
+        for p, r in plan.rules.items()
+        if r.style not in ("replicate", "replicate_grad_allreduce") or r.sequence
     ]
     names = []
     for region in program.regions:

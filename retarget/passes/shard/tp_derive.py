@@ -12,7 +12,10 @@ its chain broke, a head count that does not divide, a region left eager), never 
 Outside the regions, the input embedding and the LM head are replicated, or vocab-parallel with
 `loss_parallel` (embedding `rowwise_rep`, head `colwise`: the loss reads the logits split over
 the vocabulary); any other Linear there is replicated. With `sequence_parallel`, the norms on
-the replicated residual stream are `sequence_parallel`.
+the replicated residual stream are `sequence_parallel`, and the rules at the stream's
+boundaries say so (`passes/shard/tp_sequence.py`: a block's colwise Linears gather the sequence,
+its rowwise Linears and the embedding scatter onto it, the head gathers it), after a run of the
+example checks that nothing but the blocks and the final norm computes on the stream.
 
     >>> plan = derive_tp_plan(compiled.program, 2)
     >>> print(plan.describe())  # tp[size=2] (auto): 6 colwise, 4 rowwise, 5 replicate; ...
@@ -31,6 +34,7 @@ from retarget.passes.capture.capture_regions import record_inputs
 from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, HandPlanConflict, find_chains
 from retarget.passes.shard.tp_layout import tensor_shape
 from retarget.passes.shard.tp_params import is_linear_like, is_norm, plan_numel
+from retarget.passes.shard.tp_sequence import check_glue, linears_in_blocks, sequence_rules
 from retarget.passes.shard.tp_widths import WidthCheck
 
 
@@ -64,6 +68,8 @@ def derive_tp_plan(
     rules.update(outside_rules(named, rules, blocks, sequence_parallel))
     rules.update(vocab_rules(program.module, size, loss_parallel, named))
     rules = {path: rules[path] for path, _ in named if path in rules}
+    if sequence_parallel:
+        rules = split_sequence(program, rules, named)
     per_rank, total = plan_numel(program.module, rules, size)
     return TpPlan(
         size=size,
@@ -76,6 +82,31 @@ def derive_tp_plan(
         per_rank_numel=per_rank,
         total_numel=total,
     )
+
+
+def split_sequence(
+    program: Program, rules: dict[str, TpRule], named: list[tuple[str, nn.Module]]
+) -> dict[str, TpRule]:
+    """The rules with sequence parallelism's boundaries, after checking the model's code
+    between the embedding, the blocks and the head runs nothing on the stream."""
+    paths = {id(m): p for p, m in named}
+    embedding, head = (
+        paths.get(id(_hf_module(program.module, g)))
+        for g in ("get_input_embeddings", "get_output_embeddings")
+    )
+    blocks = [path for region in program.regions for path in region.paths]
+    order = {path: i for i, (path, _) in enumerate(named)}
+    blocks.sort(key=order.__getitem__)
+    marked = sequence_rules(
+        program.module, rules, linears_in_blocks(program.module, blocks), embedding, head
+    )
+    norms = [
+        p
+        for p, r in rules.items()
+        if r.style == "sequence_parallel" and _enclosing(p, set(blocks)) is None
+    ]
+    check_glue(program, embedding, blocks, norms, head)
+    return marked
 
 
 def block_inputs(program: Program) -> dict:
@@ -247,7 +278,11 @@ def vocab_rules(
             )
         name = "input embedding" if what == "input" else "LM head"
         rules[paths[id(module)]] = (
-            TpRule(style=split, reason=f"{name}: split over the vocabulary (loss_parallel)")
+            TpRule(
+                style=split,
+                reason=f"{name}: split over the vocabulary (loss_parallel)",
+                vocab_output=what == "head",
+            )
             if loss_parallel
             else TpRule(style="replicate", reason=f"{name}: replicated (loss_parallel is off)")
         )
