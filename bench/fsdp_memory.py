@@ -1,66 +1,241 @@
-"""Peak memory per rank under fsdp+bf16: does a rank hold 1/N of the weights or a full copy more?
+"""Peak memory per rank under fsdp+bf16: retarget against the same training by hand and Accelerate.
 
-    PYTHONPATH=$PWD python bench/fsdp_memory.py
+    PYTHONPATH=$PWD python bench/fsdp_memory.py [repeats]      # prints one JSON document
 
-Two gloo ranks; each builds a Llama-style HF model (bench/common.py's `llama`), compiles it for
-fsdp+bf16 with an SGD built on the original's parameters (prepared), runs three training steps,
-and reports: VmHWM (peak resident set), VmRSS before the model was built and after the steps,
-and the bytes of every tensor storage alive after the steps (tests/fsdp_memory_ranks.py's
-count). The figures are written by hand into docs/architecture.md (Distribution), with the date
-and commit.
+Three arms train the same model the same way on 2 gloo ranks (bench/common.py's `llama`, 8
+layers, hidden 512, 33.7 M parameters; batch 2 x 64 from a per-rank seed; SGD built on the
+model's parameters before sharding; 3 steps):
+
+- `by_hand`: FSDP2 as retarget's runtime applies it for fsdp+bf16 (`fully_shard` per decoder
+  layer, then the root, on a 1-D mesh, MixedPrecisionPolicy(param bf16, reduce fp32)), the
+  forward under `torch.autocast(bf16)` as retarget's insert_autocast computes it;
+- `retarget`: `compile_for(model, "fsdp+bf16", example_inputs=batch)`, the SGD prepared;
+- `accelerate`: Accelerate's `Accelerator(cpu=True, mixed_precision="bf16",
+  fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`. On CPU-only torch it ignores
+  the plugin and runs DDP (docs/facts.md): the arm records what it ran (`ran`, `fsdp_applied`).
+
+Every arm runs in fresh processes (peak resident memory is per process), the arms alternating
+`repeats` times. Per rank and per phase (imports, build: model + optimizer, prepare: compile_for
+/ fully_shard / accelerator.prepare, steps) it records VmHWM (the kernel's peak resident set,
+reset between phases through /proc/self/clear_refs) and the peak of RssAnon (anonymous memory:
+heap, tensors; not the shared libraries' pages, which differ by what each arm imports), sampled
+every millisecond by a thread. bench/test_fsdp_peak.py runs this and writes bench/fsdp_peak.json.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 SHAPE = dict(layers=8, hidden=512, intermediate=1376, heads=8, vocab=8192)
+ARMS = ("by_hand", "retarget", "accelerate")
+STEPS = 3
+PHASES = ("imports", "build", "prepare", "steps")
 
 
-def _status(field: str) -> int:
-    """A field of /proc/self/status in bytes."""
+def _status(*fields: str) -> dict[str, int]:
+    """Fields of /proc/self/status in bytes."""
+    found = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+        name, _, value = line.partition(":")
+        if name in fields:
+            found[name] = int(value.split()[0]) * 1024
+    return found
 
 
-def rank_body(rank: int, world: int) -> dict[str, int]:
+class PhaseMeter:
+    """Peak VmHWM and sampled peak RssAnon per phase of this process."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, int]] = {}
+        self._anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._anon = max(self._anon, _status("RssAnon")["RssAnon"])
+            time.sleep(0.001)
+
+    def end(self, phase: str) -> None:
+        """Close `phase`: its peaks since the previous end; then reset both peaks."""
+        now = _status("VmHWM", "VmRSS", "RssAnon")
+        self.phases[phase] = {
+            "hwm": now["VmHWM"],
+            "anon_peak": max(self._anon, now["RssAnon"]),
+            "rss_end": now["VmRSS"],
+            "anon_end": now["RssAnon"],
+        }
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        self._anon = _status("RssAnon")["RssAnon"]
+
+    def result(self) -> dict[str, object]:
+        self._stop.set()
+        self._thread.join()
+        return {
+            "peak_hwm": max(p["hwm"] for p in self.phases.values()),
+            "peak_anon": max(p["anon_peak"] for p in self.phases.values()),
+            "peak_phase": max(self.phases, key=lambda k: self.phases[k]["anon_peak"]),
+            "phases": self.phases,
+        }
+
+
+def _batch(rank: int):
+    import torch
+
+    ids = torch.randint(0, SHAPE["vocab"], (2, 64), generator=torch.Generator().manual_seed(rank))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _train(step, optimizer, meter: PhaseMeter) -> float:
+    for _ in range(STEPS):
+        loss = step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    meter.end("steps")
+    return float(loss)
+
+
+def by_hand(rank: int, world: int) -> dict[str, object]:
+    meter = PhaseMeter()
+    import torch
+    import torch.distributed as dist
+    from common import llama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo")
+    meter.end("imports")
+    model = llama(**SHAPE)
+    batch = _batch(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    meter.end("build")
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # fully_shard swapped the Parameters: the optimizer is rebuilt on the shards, as by hand.
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    meter.end("prepare")
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss
+
+    loss = _train(step, optimizer, meter)
+    return {"ran": "fully_shard (FSDP2)", "fsdp_applied": True, "loss": loss, **meter.result()}
+
+
+def retarget_arm(rank: int, world: int) -> dict[str, object]:
+    meter = PhaseMeter()
     import torch
     from common import llama
 
     import retarget
     from retarget.runtime.process import ProcessState
-    from tests.fsdp_memory_ranks import alive_storage_bytes
 
     ProcessState.current()
-    before = _status("VmRSS")
+    meter.end("imports")
     model = llama(**SHAPE)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = torch.randint(0, SHAPE["vocab"], (2, 64), generator=torch.Generator().manual_seed(rank))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = _batch(rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    meter.end("build")
     compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch)
     optimizer = compiled.runtime.prepare(optimizer)
-    for _ in range(3):
-        compiled.runtime.backward(compiled(**batch).loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {
-        "weights": weights,
-        "rss_before": before,
-        "peak_rss": _status("VmHWM"),
-        "alive_tensors": alive_storage_bytes(),  # collects garbage first
-        "rss_after": _status("VmRSS"),
-    }
+    meter.end("prepare")
+
+    def step():
+        loss = compiled(**batch).loss
+        compiled.runtime.backward(loss)
+        return loss
+
+    loss = _train(step, optimizer, meter)
+    applied = compiled.program.plan.applied
+    ran = f"{compiled.program.target}: {applied.wrapped if applied.applied else applied.reason}"
+    fsdp = any("FSDP" in type(m).__name__ for m in compiled.modules())
+    return {"ran": ran, "fsdp_applied": fsdp, "loss": loss, **meter.result()}
+
+
+def accelerate_arm(rank: int, world: int) -> dict[str, object]:
+    meter = PhaseMeter()
+    import torch
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from common import llama
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", fsdp_plugin=plugin)
+    meter.end("imports")
+    model = llama(**SHAPE)
+    batch = _batch(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    meter.end("build")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    meter.end("prepare")
+
+    def step():
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        return loss
+
+    loss = _train(step, optimizer, meter)
+    ran = str(accelerator.state.distributed_type)
+    fsdp = any("FSDP" in type(m).__name__ for m in model.modules())
+    return {"ran": ran, "fsdp_applied": fsdp, "loss": loss, **meter.result()}
+
+
+BODIES = {"by_hand": by_hand, "retarget": retarget_arm, "accelerate": accelerate_arm}
+
+
+def run_arm(arm: str) -> list[dict[str, object]]:
+    """One run of `arm` on 2 fresh gloo ranks: its figures per rank."""
+    from tests.distributed import run_ranks
+
+    return run_ranks(BODIES[arm], 2, timeout=900)
+
+
+def measure(repeats: int, arms: tuple[str, ...] = ARMS) -> dict[str, list[list[dict]]]:
+    """`repeats` rounds, each running every arm once in a rotated order."""
+    runs: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
+    for r in range(repeats):
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+            runs[arm].append(run_arm(arm))
+    return runs
+
+
+def summary(runs: dict[str, list[list[dict]]]) -> dict[str, object]:
+    """Per rank, per arm: the median over repeats of the peaks (MB = 10^6 bytes); the ratios."""
+    import statistics
+
+    def median(arm: str, rank: int, key: str) -> float:
+        return round(statistics.median(run[rank][key] for run in runs[arm]) / 1e6, 1)
+
+    out: dict[str, object] = {}
+    for key in ("peak_hwm", "peak_anon"):
+        table = {arm: [median(arm, rank, key) for rank in range(2)] for arm in runs}
+        out[key] = table
+        for other in ("by_hand", "accelerate"):
+            if other in runs and "retarget" in runs:
+                out[f"{key} retarget/{other}"] = [
+                    round(table["retarget"][r] / table[other][r], 3) for r in range(2)
+                ]
+    for arm, arm_runs in runs.items():
+        out[f"{arm} ran"] = arm_runs[-1][0]["ran"]
+        out[f"{arm} fsdp applied"] = arm_runs[-1][0]["fsdp_applied"]
+        out[f"{arm} peak phase"] = [run[0]["peak_phase"] for run in arm_runs]
+    return out
 
 
 if __name__ == "__main__":
-    from tests.distributed import run_ranks
-
-    print(json.dumps(run_ranks(rank_body, 2, timeout=600), indent=1))
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    runs = measure(repeats)
+    print(json.dumps({"summary": summary(runs), "runs": runs}, indent=1))

@@ -1,0 +1,83 @@
+"""Peak memory per rank under fsdp+bf16: retarget / by hand and retarget / Accelerate (issue 18.8).
+
+Run: python -m pytest bench/test_fsdp_peak.py --benchmark-only -s   (needs `accelerate`;
+RETARGET_BENCH_PEAK_REPEATS rounds, default 3, about 1.5 minutes each)
+
+bench/fsdp_memory.py holds the three arms (the same model, seed, batch, optimizer and steps):
+FSDP2 applied by hand, retarget's compile_for, Accelerate's Accelerator. Each run is 2 fresh
+gloo ranks; the arms alternate in a rotated order every round. Figures per rank, medians over
+rounds, MB = 10^6 bytes: the peak resident set (VmHWM) and the peak anonymous memory (RssAnon,
+sampled), both absolute and above the process's own memory after its imports (what training
+adds), and their ratios retarget / by hand and retarget / Accelerate. Accelerate on CPU-only
+torch runs DDP where FSDP was asked for; the JSON says what it ran. Results go to
+bench/fsdp_peak.json. Nothing asserts on the ratios; the test fails if an arm did not run what it
+says (retarget or by hand without FSDP2) or if the ranks' losses differ between arms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+from common import source_revision
+from fsdp_memory import ARMS, measure
+
+RESULTS_FILE = Path(__file__).with_name("fsdp_peak.json")
+REPEATS = int(os.environ.get("RETARGET_BENCH_PEAK_REPEATS", "3"))
+FIGURES = {
+    "peak_hwm": lambda r: r["peak_hwm"],
+    "peak_anon": lambda r: r["peak_anon"],
+    "peak_hwm above imports": lambda r: r["peak_hwm"] - r["phases"]["imports"]["rss_end"],
+    "peak_anon above imports": lambda r: r["peak_anon"] - r["phases"]["imports"]["anon_end"],
+}
+
+
+def figures(runs: dict[str, list[list[dict]]]) -> dict[str, object]:
+    """Per figure: each arm's median over rounds per rank (MB) and the ratios per rank."""
+    out: dict[str, object] = {}
+    for name, figure in FIGURES.items():
+        mb = {
+            arm: [round(statistics.median(figure(run[rank]) for run in runs[arm]) / 1e6, 1)
+                  for rank in range(2)]
+            for arm in runs
+        }  # fmt: skip
+        ratios = {
+            f"retarget/{other}": [round(mb["retarget"][r] / mb[other][r], 3) for r in range(2)]
+            for other in ("by_hand", "accelerate")
+        }
+        out[name] = {"MB": mb, "ratios": ratios}
+    return out
+
+
+def test_fsdp_peak_memory_against_by_hand_and_accelerate(benchmark) -> None:
+    pytest.importorskip("accelerate")
+    runs: dict[str, list[list[dict]]] = {}
+
+    def rounds() -> None:
+        runs.update(measure(REPEATS, ARMS))
+
+    benchmark.group = "fsdp+bf16 peak memory per rank, 2 ranks"
+    benchmark.pedantic(rounds, rounds=1, iterations=1, warmup_rounds=0)
+    result = {
+        **source_revision(),
+        "repeats": REPEATS,
+        "figures": figures(runs),
+        "ran": {arm: runs[arm][-1][0]["ran"] for arm in ARMS},
+        "fsdp applied": {arm: runs[arm][-1][0]["fsdp_applied"] for arm in ARMS},
+        "peak phase": {
+            arm: [run[r]["peak_phase"] for run in runs[arm] for r in (0, 1)] for arm in ARMS
+        },  # fmt: skip
+        "runs": runs,
+    }
+    RESULTS_FILE.write_text(json.dumps(result, indent=1) + "\n")
+    benchmark.extra_info.update({k: v for k, v in result.items() if k != "runs"})
+    print("\n" + json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    assert result["fsdp applied"]["retarget"] and result["fsdp applied"]["by_hand"], result["ran"]
+    losses = {
+        arm: [[round(run[r]["loss"], 3) for r in (0, 1)] for run in runs[arm]] for arm in ARMS
+    }
+    # Same model, batch and steps: by hand and retarget train alike (bf16: 3 decimals).
+    assert losses["retarget"] == losses["by_hand"], losses
