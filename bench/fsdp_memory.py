@@ -25,6 +25,7 @@ every millisecond by a thread. bench/test_fsdp_peak.py runs this and writes benc
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -100,7 +101,7 @@ def _train(step, optimizer, meter: PhaseMeter) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     meter.end("steps")
-    return float(loss)
+    return loss.detach().item()
 
 
 def by_hand(rank: int, world: int) -> dict[str, object]:
@@ -212,30 +213,43 @@ def measure(repeats: int, arms: tuple[str, ...] = ARMS) -> dict[str, list[list[d
     return runs
 
 
-def summary(runs: dict[str, list[list[dict]]]) -> dict[str, object]:
-    """Per rank, per arm: the median over repeats of the peaks (MB = 10^6 bytes); the ratios."""
-    import statistics
+FIGURES = {
+    "peak_hwm": lambda r: r["peak_hwm"],
+    "peak_anon": lambda r: r["peak_anon"],
+    "peak_hwm above imports": lambda r: r["peak_hwm"] - r["phases"]["imports"]["rss_end"],
+    "peak_anon above imports": lambda r: r["peak_anon"] - r["phases"]["imports"]["anon_end"],
+    # While every rank holds the whole model: compile_for (capture, passes, fully_shard) or
+    # fully_shard by hand or accelerator.prepare; the steps' peak is the process's peak here.
+    "prepare-phase peak_anon": lambda r: r["phases"]["prepare"]["anon_peak"],
+}
 
-    def median(arm: str, rank: int, key: str) -> float:
-        return round(statistics.median(run[rank][key] for run in runs[arm]) / 1e6, 1)
 
+def _median_mb(values) -> float:
+    return round(statistics.median(values) / 1e6, 1)
+
+
+def figures(runs: dict[str, list[list[dict]]]) -> dict[str, object]:
+    """Per figure: each arm's median over rounds per rank (MB) and the ratios per rank."""
     out: dict[str, object] = {}
-    for key in ("peak_hwm", "peak_anon"):
-        table = {arm: [median(arm, rank, key) for rank in range(2)] for arm in runs}
-        out[key] = table
-        for other in ("by_hand", "accelerate"):
-            if other in runs and "retarget" in runs:
-                out[f"{key} retarget/{other}"] = [
-                    round(table["retarget"][r] / table[other][r], 3) for r in range(2)
-                ]
-    for arm, arm_runs in runs.items():
-        out[f"{arm} ran"] = arm_runs[-1][0]["ran"]
-        out[f"{arm} fsdp applied"] = arm_runs[-1][0]["fsdp_applied"]
-        out[f"{arm} peak phase"] = [run[0]["peak_phase"] for run in arm_runs]
+    for name, figure in FIGURES.items():
+        # Per rank over rounds, then both ranks' runs pooled (the steadier figure).
+        mb = {
+            arm: [_median_mb(figure(run[rank]) for run in runs[arm]) for rank in range(2)]
+            + [_median_mb(figure(run[rank]) for run in runs[arm] for rank in range(2))]
+            for arm in runs
+        }
+        ratios = {
+            f"retarget/{other}": [
+                round(r / o, 3) for r, o in zip(mb["retarget"], mb[other], strict=True)
+            ]
+            for other in ("by_hand", "accelerate")
+            if other in mb and "retarget" in mb
+        }
+        out[name] = {"MB (rank 0, rank 1, pooled)": mb, "ratios": ratios}
     return out
 
 
 if __name__ == "__main__":
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     runs = measure(repeats)
-    print(json.dumps({"summary": summary(runs), "runs": runs}, indent=1))
+    print(json.dumps({"figures": figures(runs), "runs": runs}, indent=1))
