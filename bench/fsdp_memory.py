@@ -17,13 +17,19 @@ model's parameters before sharding; 3 steps):
 Every arm runs in fresh processes (peak resident memory is per process), the arms alternating
 `repeats` times. Per rank and per phase (imports, build: model + optimizer, prepare: compile_for
 / fully_shard / accelerator.prepare, steps) it records VmHWM (the kernel's peak resident set,
-reset between phases through /proc/self/clear_refs) and the peak of RssAnon (anonymous memory:
-heap, tensors; not the shared libraries' pages, which differ by what each arm imports), sampled
-every millisecond by a thread. bench/test_fsdp_peak.py runs this and writes bench/fsdp_peak.json.
+reset between phases through /proc/self/clear_refs), the peak of RssAnon (anonymous memory:
+heap, tensors; not the shared libraries' pages, which differ by what each arm imports) and the
+peak of the bytes glibc's malloc has handed out and not yet taken back (`mallinfo2`: uordblks +
+hblkhd; live tensors and Python objects, without the freed memory the allocator keeps), both
+sampled every millisecond by a thread. The last is the steady figure: RssAnon during FSDP steps
+on gloo also holds hundreds of MB of freed chunks, an amount that moves by tens of MB between
+runs of the same arm. bench/test_fsdp_peak.py runs this and writes bench/fsdp_peak.json.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import statistics
 import sys
@@ -38,6 +44,7 @@ SHAPE = dict(layers=8, hidden=512, intermediate=1376, heads=8, vocab=8192)
 ARMS = ("by_hand", "retarget", "accelerate")
 STEPS = 3
 PHASES = ("imports", "build", "prepare", "steps")
+PEAKS = ("hwm", "anon_peak", "heap_peak")
 
 
 def _status(*fields: str) -> dict[str, int]:
@@ -50,12 +57,30 @@ def _status(*fields: str) -> dict[str, int]:
     return found
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def heap_in_use() -> int:
+    """Bytes malloc has handed out and not taken back: arenas' used chunks + mmapped chunks."""
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
 class PhaseMeter:
-    """Peak VmHWM and sampled peak RssAnon per phase of this process."""
+    """Peak VmHWM, sampled peak RssAnon and sampled peak heap in use, per phase of this process."""
 
     def __init__(self) -> None:
         self.phases: dict[str, dict[str, int]] = {}
-        self._anon = 0
+        self._anon = self._heap = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -63,27 +88,31 @@ class PhaseMeter:
     def _sample(self) -> None:
         while not self._stop.is_set():
             self._anon = max(self._anon, _status("RssAnon")["RssAnon"])
+            self._heap = max(self._heap, heap_in_use())
             time.sleep(0.001)
 
     def end(self, phase: str) -> None:
-        """Close `phase`: its peaks since the previous end; then reset both peaks."""
+        """Close `phase`: its peaks since the previous end; then reset the peaks."""
         now = _status("VmHWM", "VmRSS", "RssAnon")
+        heap = heap_in_use()
         self.phases[phase] = {
             "hwm": now["VmHWM"],
             "anon_peak": max(self._anon, now["RssAnon"]),
+            "heap_peak": max(self._heap, heap),
             "rss_end": now["VmRSS"],
             "anon_end": now["RssAnon"],
+            "heap_end": heap,
         }
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        self._anon = _status("RssAnon")["RssAnon"]
+        self._anon, self._heap = _status("RssAnon")["RssAnon"], heap_in_use()
 
     def result(self) -> dict[str, object]:
         self._stop.set()
         self._thread.join()
+        peaks = {key: max(p[key] for p in self.phases.values()) for key in PEAKS}
         return {
-            "peak_hwm": max(p["hwm"] for p in self.phases.values()),
-            "peak_anon": max(p["anon_peak"] for p in self.phases.values()),
-            "peak_phase": max(self.phases, key=lambda k: self.phases[k]["anon_peak"]),
+            **{f"peak_{key.removesuffix('_peak')}": value for key, value in peaks.items()},
+            "peak_phase": max(self.phases, key=lambda k: self.phases[k]["heap_peak"]),
             "phases": self.phases,
         }
 
@@ -218,9 +247,15 @@ FIGURES = {
     "peak_anon": lambda r: r["peak_anon"],
     "peak_hwm above imports": lambda r: r["peak_hwm"] - r["phases"]["imports"]["rss_end"],
     "peak_anon above imports": lambda r: r["peak_anon"] - r["phases"]["imports"]["anon_end"],
+    "peak_heap": lambda r: r["peak_heap"],
+    "peak_heap above imports": lambda r: r["peak_heap"] - r["phases"]["imports"]["heap_end"],
+    "steps' own heap peak": lambda r: (
+        r["phases"]["steps"]["heap_peak"] - r["phases"]["prepare"]["heap_end"]
+    ),
     # While every rank holds the whole model: compile_for (capture, passes, fully_shard) or
     # fully_shard by hand or accelerator.prepare; the steps' peak is the process's peak here.
     "prepare-phase peak_anon": lambda r: r["phases"]["prepare"]["anon_peak"],
+    "prepare-phase peak_heap": lambda r: r["phases"]["prepare"]["heap_peak"],
 }
 
 
