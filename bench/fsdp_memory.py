@@ -20,7 +20,8 @@ Every arm runs in fresh processes (peak resident memory is per process), the arm
 reset between phases through /proc/self/clear_refs), the peak of RssAnon (anonymous memory:
 heap, tensors; not the shared libraries' pages, which differ by what each arm imports) and the
 peak of the bytes glibc's malloc has handed out and not yet taken back (`mallinfo2`: uordblks +
-hblkhd; live tensors and Python objects, without the freed memory the allocator keeps), both
+hblkhd; tensors and large Python objects, without the freed memory the allocator keeps; small
+Python objects live in pymalloc's own mapped arenas and are only in RssAnon), both
 sampled every millisecond by a thread. The last is the steady figure: RssAnon during FSDP steps
 on gloo also holds hundreds of MB of freed chunks, an amount that moves by tens of MB between
 runs of the same arm. bench/test_fsdp_peak.py runs this and writes bench/fsdp_peak.json.

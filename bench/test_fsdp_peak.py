@@ -1,17 +1,20 @@
 """Peak memory per rank under fsdp+bf16: retarget / by hand and retarget / Accelerate (issue 18.8).
 
 Run: python -m pytest bench/test_fsdp_peak.py --benchmark-only -s   (needs `accelerate`;
-RETARGET_BENCH_PEAK_REPEATS rounds, default 3, about 1.5 minutes each)
+RETARGET_BENCH_PEAK_REPEATS rounds, default 3, about 2 minutes each on 2 loaded cores)
 
 bench/fsdp_memory.py holds the three arms (the same model, seed, batch, optimizer and steps):
 FSDP2 applied by hand, retarget's compile_for, Accelerate's Accelerator. Each run is 2 fresh
-gloo ranks; the arms alternate in a rotated order every round. Figures per rank, medians over
-rounds, MB = 10^6 bytes: the peak resident set (VmHWM) and the peak anonymous memory (RssAnon,
-sampled), both absolute and above the process's own memory after its imports (what training
-adds), and their ratios retarget / by hand and retarget / Accelerate. Accelerate on CPU-only
-torch runs DDP where FSDP was asked for; the JSON says what it ran. Results go to
-bench/fsdp_peak.json. Nothing asserts on the ratios; the test fails if an arm did not run what it
-says (retarget or by hand without FSDP2) or if the ranks' losses differ between arms.
+gloo ranks; the arms alternate in a rotated order every round. Figures (MB = 10^6 bytes),
+medians over rounds for rank 0, rank 1 and both pooled: the peak resident set (VmHWM), the peak
+anonymous memory (RssAnon) and the peak heap in use (malloc's, `mallinfo2`), absolute and above
+the process's own memory after its imports, the steps' own heap peak and the peaks of the
+prepare phase (while the whole model is held); ratios retarget / by hand and retarget /
+Accelerate. Accelerate on CPU-only torch runs DDP where FSDP was asked for; the JSON says what
+it ran. Results go to bench/fsdp_peak.json; bench/README.md's "FSDP peak memory" section is
+written from it by hand (the suite is not in `retarget bench`'s list, retarget/cli/bench.py).
+Nothing asserts on the ratios; the test fails if retarget or by hand did not apply FSDP2, or if
+their losses differ beyond bf16 rounding.
 """
 
 from __future__ import annotations
