@@ -73,6 +73,8 @@ def heap_in_use() -> int:
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+if not hasattr(_LIBC, "mallinfo2"):
+    raise RuntimeError("bench/fsdp_memory.py reads glibc's mallinfo2 (glibc >= 2.33, Linux)")
 _LIBC.mallinfo2.restype = _MallInfo2
 
 
