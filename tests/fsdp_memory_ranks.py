@@ -175,3 +175,33 @@ def _bitwise(state: dict, expected: dict, *, skip_missing: bool = False) -> bool
     return set(state) <= set(expected) and all(
         torch.equal(state[k].detach().cpu(), expected[k]) for k in keys
     )
+
+
+def sharding_rank(rank: int, world: int) -> dict[str, int]:
+    """The most tensor storage alive while compile_for shards (after each fully_shard call),
+    beyond what was alive before the model was built, and the model's full bytes."""
+    import torch.distributed.fsdp as fsdp
+
+    import retarget
+    from retarget.runtime.process import ProcessState
+
+    ProcessState.current()
+    baseline = alive_storage_bytes()
+    torch.manual_seed(0)
+    model = tiny_lm(**SHAPE)
+    batch = synthetic_batch(TinyConfig(**SHAPE), 2, 16, generator=torch.Generator())
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    seen: list[int] = []
+    real = fsdp.fully_shard
+
+    def counted(module, **kwargs):  # the real fully_shard, then a count of what is alive
+        result = real(module, **kwargs)
+        seen.append(alive_storage_bytes() - baseline)
+        return result
+
+    fsdp.fully_shard = counted
+    try:
+        retarget.compile_for(model, "fsdp", example_inputs=batch)
+    finally:
+        fsdp.fully_shard = real
+    return {"peak": max(seen), "units": len(seen), "full": full}

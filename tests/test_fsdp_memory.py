@@ -9,7 +9,7 @@ save_model must still give the trained weights bit for bit.
 from __future__ import annotations
 
 from tests.distributed import run_ranks
-from tests.fsdp_memory_ranks import TARGETS, memory_rank
+from tests.fsdp_memory_ranks import TARGETS, memory_rank, sharding_rank
 
 
 def test_a_rank_holds_its_shards_and_unwrap_gathers_the_trained_weights(tmp_path):
@@ -25,3 +25,13 @@ def test_a_rank_holds_its_shards_and_unwrap_gathers_the_trained_weights(tmp_path
         through = out["accelerator"]
         assert through["target"] == "fsdp" and through["held"] <= through["bound"], through
         assert all(v for k, v in through.items() if k.endswith("bitwise")), through
+
+
+def test_sharding_never_holds_the_whole_model_and_its_shards_together():
+    """The user's model is emptied unit by unit as fully_shard replaces its parameters: a rank
+    holds at most the model plus the one unit just sharded (about 1.25x the model here: the
+    first block's shard beside everything still whole), never the model plus every shard made
+    (1.5x on 2 ranks when the emptying waited for the last unit)."""
+    for out in run_ranks(sharding_rank, 2, timeout=300):
+        assert out["units"] >= 3, out
+        assert out["peak"] < 1.4 * out["full"], out

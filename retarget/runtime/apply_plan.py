@@ -283,8 +283,9 @@ def _apply_fsdp(
         with hooks_skip_captures(module):
             fully_shard(module, **kwargs)
         applied.fsdp_modules.append(module)
-    # The user's model (kept for unwrap) would pin a full copy of every replaced parameter.
-    release_replaced(program.original, program.module)
+        # The user's model (kept for unwrap) would pin a full copy of every replaced parameter:
+        # freed unit by unit, so the whole model and all shards are never alive together.
+        release_replaced(program.original, program.module)
     if plan.state_dict == "full":
         program.module.register_state_dict_post_hook(_full_state_dict)
         program.module.register_load_state_dict_pre_hook(_shard_loaded_state)
