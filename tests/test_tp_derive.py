@@ -176,11 +176,13 @@ def test_gpt2_conv1d_c_attn_is_fused_three_ways_with_widths_fixed(gpt2):
         "mlp.c_proj": "rowwise",
     }
     assert plan.fused == {"transformer.h.0.attn.c_attn": 3, "transformer.h.1.attn.c_attn": 3}
-    # Conv1D's forward views its output with `nf`; GPT-2's attention splits with `split_size`.
-    assert plan.attribute_fixes["transformer.h.1.attn"] == {"split_size": 32}
-    assert plan.attribute_fixes["transformer.h.1.attn.c_attn"] == {"nf": 96}
-    assert plan.attribute_fixes["transformer.h.1.mlp.c_fc"] == {"nf": 128}
-    assert len(plan.attribute_fixes) == 6
+    # GPT-2's attention splits with `split_size`. Conv1D's own `nf` stays: split by torch's
+    # styles its forward runs on whole-size DTensors (only the width check's plain slices
+    # needed it shrunk).
+    assert plan.attribute_fixes == {
+        "transformer.h.0.attn": {"split_size": 32},
+        "transformer.h.1.attn": {"split_size": 32},
+    }
     # Conv1D stores its weight (in, out): column-wise splits dim 1, bias with it.
     c_attn = gpt2.module.transformer.h[0].attn.c_attn
     counts = tp_per_rank_params(gpt2.module, plan)

@@ -109,14 +109,14 @@ def test_fused_projection_split_as_one_is_refused(gpt2):
         read_hand_plan(plain, gpt2, 2)
 
 
-def test_gpt2_hand_plan_gets_its_attribute_fixes(gpt2):
-    plan = read_hand_plan(
-        {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}, gpt2, 2
-    )
-    assert plan.attribute_fixes == {
-        "transformer.h.0.mlp.c_fc": {"nf": 128},
-        "transformer.h.1.mlp.c_fc": {"nf": 128},
-    }
+def test_gpt2_hand_plan_keeps_the_split_conv1d_widths(gpt2):
+    """The MLP's code reads no width outside its Conv1Ds, and their own `nf` stays whole: split
+    by torch's styles they run on whole-size DTensors (attention's `split_size` fix is checked
+    with the derived plan in test_tp_derive.py)."""
+    mlp = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    plan = read_hand_plan(mlp, gpt2, 2)
+    assert plan.rules["transformer.h.1.mlp.c_fc"].style == "colwise"
+    assert plan.attribute_fixes == {}
 
 
 def test_hf_packed_colwise_is_our_colwise_with_two_fused_parts():

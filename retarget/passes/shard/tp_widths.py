@@ -9,7 +9,9 @@ example, and compare the output's shape with the full block's. When it fails, th
 attributes that hold a width the chain splits (a head count, a feature width), on the chain's
 column-wise Linears and the modules above its Linears, are divided by N, all together, then
 each put back while the run still passes: what is left are the attributes the code reads
-(`TpPlan.attribute_fixes`). A chain no fix lets run is broken, with the error as its reason.
+(`TpPlan.attribute_fixes`), less those on the split Linears themselves (here they run on plain
+slices; split by torch's styles, on whole-size DTensors). A chain no fix lets run is broken,
+with the error as its reason.
 Everything is restored afterwards (weights, attributes, RNG, buffers; the KV cache is a copy).
 """
 
@@ -63,7 +65,7 @@ class WidthCheck:
         if kept and not ok:  # each chain runs split on its own, not all of them at once
             reason = f"the block's code fails with its chains split together ({why})"
             found.update({i: ([], reason) for i in kept})
-        return found
+        return {i: (_outside(fixes, chains[i]), why) for i, (fixes, why) in found.items()}
 
     def chain_fixes(self, chain: Chain) -> tuple[list[Fix], str]:
         """The attribute fixes `chain` needs, or ([], why it cannot run split)."""
@@ -117,6 +119,13 @@ class WidthCheck:
             return False, one_line(exc)
         first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         return True, None if first is None else tuple(first.shape)
+
+
+def _outside(fixes: list[Fix], chain: Chain) -> list[Fix]:
+    """The fixes a plan keeps: not those on the chain's own Linears. Here they run on plain
+    local weights and need their widths shrunk (Conv1D's `nf`); split by torch's styles they
+    run on DTensors of the whole size, and their widths stay."""
+    return [fix for fix in fixes if fix[0] not in chain.members]
 
 
 def _owners(chain: Chain) -> set[str]:
