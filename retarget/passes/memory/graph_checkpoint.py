@@ -125,21 +125,37 @@ def graph_checkpoint(
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             held.add(value.untyped_storage().data_ptr())
+    held.discard(0)  # a storage with no data (freed, resized to 0) holds nothing
     with forward_context, torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
         return forward(*args, **kwargs)
 
 
 def applies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
     """Whether a call of scoped graph `gm` may use `graph_checkpoint`: no random op, no autocast
-    active, only tensors and plain values among the arguments."""
+    active (on the CPU or the arguments' device), only plain tensors with storage (no meta, fake
+    or subclass tensor, whose storage says nothing) and plain values among the arguments."""
     random = gm.meta.get("draws_random")
     if random is None:
         random = gm.meta["draws_random"] = draws_random(gm)
-    if random or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+    if random or torch.is_autocast_enabled("cpu"):
         return False
-    return all(
-        isinstance(v, torch.Tensor | int | float | bool | None) for v in (*args, *kwargs.values())
-    )
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if type(value) not in _PLAIN or value.device.type == "meta":
+                return False
+            device = value.device.type
+            if device != "cpu" and _autocast_on(device):
+                return False
+        elif not isinstance(value, int | float | bool | None):
+            return False
+    return True
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _autocast_on(device: str) -> bool:
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def draws_random(gm: fx.GraphModule) -> bool:
