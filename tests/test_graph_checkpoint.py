@@ -14,6 +14,7 @@ from retarget.passes.memory import checkpoint_blocks, graph_checkpoint
 from retarget.passes.memory.graph_checkpoint import draws_random
 from retarget.passes.memory.measure import measure_training_step
 from tests.conftest import assert_same_step
+from tests.zoo import ZOO
 
 SHAPE = dict(hidden=32, heads=2, layers=4, max_seq=256, vocab_size=64)
 
@@ -132,3 +133,15 @@ def test_the_recompute_must_save_what_forward_saved():
     out = graph_checkpoint.graph_checkpoint(nn.Module(), forward, (x,), {}, contexts)
     with pytest.raises(RuntimeError, match="fewer tensors than forward"):
         out.sum().backward()
+
+
+def test_a_zoo_llama_takes_it_and_equals_no_ac(monkeypatch):
+    """A Hugging Face Llama's layers get (cos, sin) as a tuple: its leaves are plain tensors. (With
+    its KV cache among a layer's arguments, torch's checkpoint runs: the cache is stateful.)"""
+    entry = ZOO["tiny_llama"]
+    inputs = {**entry.inputs(2), "use_cache": False}
+    plain = retarget.compile_for(entry.factory(), "single", example_inputs=inputs)
+    compiled = retarget.compile_for(entry.factory(), "ac[policy=selective]", example_inputs=inputs)
+    calls = _count_calls(monkeypatch)
+    assert_same_step(plain, compiled, inputs)
+    assert calls

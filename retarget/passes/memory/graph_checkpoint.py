@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 _DROPOUT_ARGS = ("p", "dropout_p")
 
@@ -122,7 +123,7 @@ def graph_checkpoint(
     held = frame.held = forward_context.mode.store.held  # kept outputs join as they are kept
     for tensor in (*module.parameters(), *module.buffers()):
         held.add(tensor.untyped_storage().data_ptr())
-    for value in (*args, *kwargs.values()):
+    for value in tree_leaves((args, kwargs)):
         if isinstance(value, torch.Tensor):
             held.add(value.untyped_storage().data_ptr())
     held.discard(0)  # a storage with no data (freed, resized to 0) holds nothing
@@ -133,13 +134,14 @@ def graph_checkpoint(
 def applies(gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
     """Whether a call of scoped graph `gm` may use `graph_checkpoint`: no random op, no autocast
     active (on the CPU or the arguments' device), only plain tensors with storage (no meta, fake
-    or subclass tensor, whose storage says nothing) and plain values among the arguments."""
+    or subclass tensor, whose storage says nothing) and plain values among the arguments'
+    leaves (a tuple of tensors is fine; a cache object is not)."""
     random = gm.meta.get("draws_random")
     if random is None:
         random = gm.meta["draws_random"] = draws_random(gm)
     if random or torch.is_autocast_enabled("cpu"):
         return False
-    for value in (*args, *kwargs.values()):
+    for value in tree_leaves((args, kwargs)):
         if isinstance(value, torch.Tensor):
             if type(value) not in _PLAIN or value.device.type == "meta":
                 return False
