@@ -11,7 +11,8 @@ Policies (`ac[...]` options):
   attention, fp8 amax) keep their outputs, so backward recomputes only the cheap ops. Uncompiled,
   a region's graphs get selective_scope's transform (the keeping modes entered only at kept
   calls; a call with no graph runs whole under them); a compiled call runs under torch's
-  `create_selective_checkpoint_contexts` around the whole block.
+  `create_selective_checkpoint_contexts` around the whole block. A scoped graph with no random
+  op, outside autocast, is checkpointed by graph_checkpoint.py (lighter than torch's).
 - `budget=0.5` / `budget=2GB`: activations after forward must fit the budget, a fraction of what
   the model keeps without checkpointing or a size; budget.py picks none / selective / full per
   repeat at the least recompute cost. Needs example inputs (the profile below).
@@ -66,6 +67,7 @@ from retarget.passes.memory.activation_profile import (
     profile_activations,
 )
 from retarget.passes.memory.budget import BudgetPlan, solve_budget
+from retarget.passes.memory.graph_checkpoint import applies, graph_checkpoint
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.memory.recompute_rules import selective_contexts
 from retarget.passes.memory.selective_scope import (
@@ -273,6 +275,14 @@ class CheckpointedModule(nn.Module):
             # or around the whole eager form. A compiled call runs under torch's whole-block form.
             scoped = region.runner is None and (graph is None or is_scoped(graph.gm))
         setting: BlockCheckpoint = CHECKPOINT.get(self)
+        if (
+            scoped
+            and graph is not None
+            and setting.policy == SELECTIVE
+            and not setting.batchnorms
+            and applies(graph.gm, args, kwargs)
+        ):
+            return graph_checkpoint(self, forward, args, kwargs, scoped_contexts)
         context_fn = setting.context_fn(self, scoped)
         # A KV cache among the inputs: the recompute must see it as the forward did and must
         # not update it a second time; checkpointed_call makes the function pure in the cache.

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from retarget.passes.memory.recompute_rules import KEPT_CALLS, is_saved
 
@@ -60,11 +60,27 @@ class _KeptOutputs:
 
     def __init__(self) -> None:
         self.outputs: dict[Any, deque] = defaultdict(deque)
+        #: data pointers of the kept outputs' storages (graph_checkpoint saves views as is)
+        self.held: set[int] = set()
 
     def keep(self, func: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):  # one tensor (a matmul's): no pytree walk
+            kept = _detached(out)
+            self.outputs[func].append((kept, kept._version))
+            self.held.add(kept.untyped_storage().data_ptr())
+            return
         kept = tree_map(_detached, out)
-        versions = tree_map(lambda t: t._version if isinstance(t, torch.Tensor) else None, kept)
-        self.outputs[func].append((kept, versions))
+        self.outputs[func].append((kept, tree_map(_version, kept)))
+        for tensor in tree_leaves(kept):
+            if isinstance(tensor, torch.Tensor):
+                self.held.add(tensor.untyped_storage().data_ptr())
+
+    def keep_computed(self, func: Any, out: torch.Tensor) -> None:
+        """Keep `out`, which `func` computed with no mode entered (its plain detach shares the
+        version counter)."""
+        kept = out.detach()
+        self.outputs[func].append((kept, kept._version))
+        self.held.add(kept.untyped_storage().data_ptr())
 
     def replay(self, func: Any) -> Any:
         queue = self.outputs.get(func)
@@ -75,13 +91,17 @@ class _KeptOutputs:
                 "different paths)"
             )
         kept, versions = queue.popleft()
-        now = tree_map(lambda t: t._version if isinstance(t, torch.Tensor) else None, kept)
+        now = kept._version if isinstance(kept, torch.Tensor) else tree_map(_version, kept)
         if now != versions:
             raise RuntimeError(
                 f"selective checkpointing: the output of {func} kept for backward was modified "
                 "in place after forward"
             )
         return kept
+
+
+def _version(value: Any) -> int | None:
+    return value._version if isinstance(value, torch.Tensor) else None
 
 
 class KeepOutputs(TorchDispatchMode):
@@ -150,7 +170,11 @@ def scoped_contexts() -> tuple[Any, Any]:
 
 
 def run_kept(op: Callable, *args: Any, **kwargs: Any) -> Any:
-    """A kept call of a graph: under the active selective mode, if any; else the plain call."""
+    """A kept call of a graph: under the active selective mode, if any; else the plain call.
+
+    In forward, a call that is itself a kept op (an `mm`, a linear folded to its `mm`) needs no
+    mode: it runs plainly and its output is kept; only recompute enters the mode, to hand the
+    output back under autograd."""
     if torch.compiler.is_compiling():
         return op(*args, **kwargs)
     mode = getattr(_ACTIVE, "mode", None)
@@ -158,11 +182,35 @@ def run_kept(op: Callable, *args: Any, **kwargs: Any) -> Any:
         return op(*args, **kwargs)
     if op is _LINEAR and _folds_to_mm(*args, **kwargs):
         return _linear_with_mm_under(mode, *args)
+    if type(mode) is KeepOutputs and _is_kernel(op):
+        out = op(*args, **kwargs)
+        mode.store.keep_computed(op, out)
+        return out
     with mode:
         return op(*args, **kwargs)
 
 
 _LINEAR = torch.ops.aten.linear.default
+_MM = torch.ops.aten.mm.default
+_KERNEL: dict[Any, bool] = {}
+
+
+def _is_kernel(op: Any) -> bool:
+    """Whether `op` is a kept op that reaches the dispatcher as itself (no decomposition above
+    autograd) with one tensor out: what the mode would have kept is then its own output."""
+    decided = _KERNEL.get(op)
+    if decided is None:
+        decided = (
+            isinstance(op, torch._ops.OpOverload)
+            and is_saved(op)
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), "CompositeImplicitAutograd"
+            )
+            and len(op._schema.returns) == 1
+            and str(op._schema.returns[0].type) == "Tensor"
+        )
+        _KERNEL[op] = decided
+    return decided
 
 
 def _folds_to_mm(x: Any, weight: Any, bias: Any = None, **kwargs: Any) -> bool:
@@ -182,13 +230,18 @@ def _folds_to_mm(x: Any, weight: Any, bias: Any = None, **kwargs: Any) -> bool:
 
 
 def _linear_with_mm_under(mode: TorchDispatchMode, x: torch.Tensor, weight: torch.Tensor) -> Any:
-    """aten.linear's own ops in its order, with only the mm under the mode: its three view ops
-    would each cross into Python for nothing (the same autograd nodes, the same saved tensors)."""
+    """aten.linear's own ops in its order, with only the mm under the mode (in forward not even
+    that: the mm's output is kept as computed): its three view ops would each cross into Python
+    for nothing (the same autograd nodes, the same saved tensors)."""
     aten = torch.ops.aten
     transposed = aten.t.default(weight)
     folded = aten.view.default(x, [-1, x.shape[-1]])
-    with mode:
-        out = aten.mm.default(folded, transposed)
+    if type(mode) is KeepOutputs:
+        out = _MM(folded, transposed)
+        mode.store.keep_computed(_MM, out)
+    else:
+        with mode:
+            out = _MM(folded, transposed)
     return aten._unsafe_view.default(out, [*x.shape[:-1], weight.shape[0]])
 
 
