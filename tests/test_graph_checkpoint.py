@@ -145,3 +145,44 @@ def test_a_zoo_llama_takes_it_and_equals_no_ac(monkeypatch):
     calls = _count_calls(monkeypatch)
     assert_same_step(plain, compiled, inputs)
     assert calls
+
+
+def _fsdp_selective_rank(rank: int, world: int) -> dict[str, object]:
+    """Three SGD steps of fsdp and of fsdp+ac[policy=selective] on the same data; whether the
+    light checkpoint ran. FSDP2 frees and re-gathers the parameters the checkpoint saves as
+    themselves between forward and backward."""
+    from retarget.passes.memory import graph_checkpoint as module
+    from retarget.runtime.process import ProcessState
+
+    ProcessState.current()
+
+    calls = []
+    real = module.graph_checkpoint
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    checkpoint_blocks.graph_checkpoint = counted
+    batch = _batch()
+    rows = {k: v[rank::world] for k, v in batch.items()}
+    losses = {}
+    for target in ("fsdp", "fsdp+ac[policy=selective]"):
+        compiled = retarget.compile_for(_tiny_lm(), target, example_inputs=batch)
+        optimizer = compiled.runtime.prepare(torch.optim.SGD(compiled.parameters(), lr=0.1))
+        losses[target] = []
+        for _ in range(3):
+            loss = compiled(**rows)["loss"]
+            compiled.runtime.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[target].append(loss.item())
+    return {"losses": losses, "light calls": len(calls)}
+
+
+def test_under_fsdp_it_trains_bitwise_as_no_ac():
+    from tests.distributed import run_ranks
+
+    for out in run_ranks(_fsdp_selective_rank, 2, timeout=300):
+        assert out["light calls"] > 0, out
+        assert out["losses"]["fsdp"] == out["losses"]["fsdp+ac[policy=selective]"], out
