@@ -118,6 +118,13 @@ def test_refusals_name_the_module_and_why(monkeypatch):
         "mlp", "tp[size=2,plan=tests.tp_models:GELU_2]"
     )
     assert "unknown style 'diagonal'" in _refusal("mlp", "tp[size=2,plan=tests.tp_models:STYLE_2]")
+    # A width fix on a module the plan splits would be dropped at apply time: refused instead.
+    gpt2 = tm.GPT2_2
+    fixes = {**gpt2.attribute_fixes, "transformer.h.0.mlp.c_fc": {"nf": 64}}
+    monkeypatch.setattr(tm, "NF_2", dataclasses.replace(gpt2, attribute_fixes=fixes), raising=False)
+    assert "attribute fix on 'transformer.h.0.mlp.c_fc', which the plan splits colwise" in _refusal(
+        "gpt2", "tp[size=2,plan=tests.tp_models:NF_2]"
+    )
     # The head's 4 outputs do not split in 3.
     head = dataclasses.replace(plan, size=3, rules={"head": TpRule(style="colwise", reason="x")})
     monkeypatch.setattr(tm, "HEAD_3", head, raising=False)

@@ -262,6 +262,13 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
             raise TargetNotSupportedError(
                 f"tp plan {plan.source}: module {path!r} has no attribute {missing[0]!r} to set"
             )
+        rule = plan.rules.get(path)
+        if rule is not None and rule.style not in ("replicate", "replicate_grad_allreduce"):
+            raise TargetNotSupportedError(
+                f"tp plan {plan.source}: attribute fix on {path!r}, which the plan splits "
+                f"{rule.style}: a split module runs on whole-size DTensors, so its own widths "
+                "stay; drop the fix"
+            )
     return plan
 
 
