@@ -4,10 +4,13 @@
 `CallRunner`). A captured graph (one per call signature, already rewritten by every precision and
 checkpointing pass) gets one `torch.compile` of the call of its code (`binding.call_graph_forward`;
 the KV-cache bookkeeping and argument binding around it stay eager, so dynamo never guards on a
-cache object). The graph reads parameters from the live module it is called with, so that one
-compiled callable serves every repeat of the block (dynamo takes the module's tensors as inputs,
-it does not guard on which repeat it is). `isolate_recompiles=True` keeps each callable's cache
-entries and recompile limit its own: every graph shares `call_graph_forward`'s code object.
+cache object). An export graph is compiled in its flat form (`flat_calls.FlatGraph`: inputs
+flattened and the output rebuilt outside, export's input check left to the call signature), so
+dynamo guards no pytree spec. The graph reads parameters from the live module it is called with,
+so that one compiled callable serves every repeat of the block (dynamo takes the module's tensors
+as inputs, it does not guard on which repeat it is). `isolate_recompiles=True` keeps each
+callable's cache entries and recompile limit its own: every graph shares `call_graph_forward`'s
+code object.
 A region no frontend captured compiles its eager form (the module's forward with every pass's
 module-level rewrite), once per region.
 
@@ -40,7 +43,8 @@ from torch.utils.checkpoint import _StopRecomputationError
 from retarget.core.capturing import capturing
 from retarget.core.errors import RegionCompileError, UncompiledRegionWarning
 from retarget.frontends import CapturedGraph, one_line
-from retarget.frontends.binding import call_graph_forward
+from retarget.frontends.binding import CallForward, call_graph_forward
+from retarget.passes.compile.flat_calls import FlatGraph
 
 #: The target's dynamic=auto|true|false as torch.compile's dynamic=None|True|False.
 DYNAMIC = {"auto": None, "true": True, "false": False}
@@ -99,7 +103,7 @@ class RegionCompiler:
         self.region_name = region_name
         self.settings = settings
         self.stats = CompileStats(form=form)
-        self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any]]] = {}
+        self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any], CallForward]] = {}
         self._eager: Callable[..., Any] | None = None
 
     # -- CallRunner ------------------------------------------------------------------------
@@ -149,12 +153,17 @@ class RegionCompiler:
         # compiled model) traces through this call, so it must not start a second compile.
         return bool(self.stats.fallback) or capturing() or torch.compiler.is_compiling()
 
-    def _compiled_graph(self, graph: CapturedGraph) -> Callable[..., Any]:
+    def _compiled_graph(self, graph: CapturedGraph) -> CallForward:
+        """The compiled call of `graph`'s current code: flat (`flat_calls`) where it has a flat
+        form; made anew if a rewrite recompiled the graph since."""
+        forward = type(graph.gm).forward
         entry = self._graphs.get(id(graph))
-        if entry is None:
-            entry = (graph, self._compile(call_graph_forward))
+        if entry is None or entry[1] is not forward:
+            compiled = self._compile(call_graph_forward)
+            flat = FlatGraph.of(graph.gm)
+            entry = (graph, forward, compiled if flat is None else flat.call_forward(compiled))
             self._graphs[id(graph)] = entry
-        return entry[1]
+        return entry[2]
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(fn, **self.settings.torch_kwargs(), isolate_recompiles=True)
