@@ -9,8 +9,9 @@ flattened and the output rebuilt outside, export's input check left to the call 
 dynamo guards no pytree spec. The graph reads parameters from the live module it is called with,
 so that one compiled callable serves every repeat of the block (dynamo takes the module's tensors
 as inputs, it does not guard on which repeat it is). `isolate_recompiles=True` keeps each
-callable's cache entries and recompile limit its own: every graph shares `call_graph_forward`'s
-code object.
+callable's cache entries and recompile limit its own: a region's graphs share one code object, a
+copy of `call_graph_forward`'s named after the region (`region_entry`), so what dynamo learns
+about input sizes stays within the region.
 A region no frontend captured compiles its eager form (the module's forward with every pass's
 module-level rewrite), once per region.
 
@@ -28,7 +29,9 @@ run fails too, the error is the model's and is raised as eager would raise it.
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +49,7 @@ from retarget.frontends import CapturedGraph, one_line
 from retarget.frontends.binding import CallForward, call_graph_forward
 from retarget.passes.compile.flat_calls import FlatGraph
 
+_RUNNERS = itertools.count()
 #: The target's dynamic=auto|true|false as torch.compile's dynamic=None|True|False.
 DYNAMIC = {"auto": None, "true": True, "false": False}
 
@@ -105,6 +109,7 @@ class RegionCompiler:
         self.stats = CompileStats(form=form)
         self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any], CallForward]] = {}
         self._eager: Callable[..., Any] | None = None
+        self._entry = region_entry(region_name)
 
     # -- CallRunner ------------------------------------------------------------------------
     def graph_call(
@@ -159,7 +164,7 @@ class RegionCompiler:
         forward = type(graph.gm).forward
         entry = self._graphs.get(id(graph))
         if entry is None or entry[1] is not forward:
-            compiled = self._compile(call_graph_forward)
+            compiled = self._compile(self._entry)
             flat = FlatGraph.of(graph.gm)
             entry = (graph, forward, compiled if flat is None else flat.call_forward(compiled))
             self._graphs[id(graph)] = entry
@@ -212,6 +217,21 @@ class RegionCompiler:
             stacklevel=6,
         )
         return out
+
+
+def region_entry(region_name: str) -> CallForward:
+    """`call_graph_forward` under a code object of this region's own (one per runner).
+
+    dynamo keys what it learns about a frame's inputs (which sizes changed, so `dynamic=auto`
+    makes them symbolic) by the code's (file, line, name). Flat calls put every region's inputs
+    at the same names (`args[0]`, ...), so with one shared code object a shape seen by one
+    region (of any model in the process) would make another region's first compile dynamic; a
+    name per runner keeps that learning within the region, where a new batch size is a new
+    signature of the same block.
+    """
+    code = call_graph_forward.__code__
+    code = code.replace(co_name=f"call_graph_forward[{region_name}#{next(_RUNNERS)}]")
+    return types.FunctionType(code, call_graph_forward.__globals__, code.co_name)
 
 
 def _reason(exc: Exception) -> str:
