@@ -1,6 +1,6 @@
-"""Flat compiled calls (`passes/compile/flat_calls.py`): an export graph compiled on its flat inputs,
-with its pytree specs and export's `_guards_fn` outside the compiled code, gives what the graph's
-own code gives, and a graph rewritten after its compile gets a new flat callable."""
+"""Flat compiled calls (`passes/compile/flat_calls.py`): an export graph compiled on its flat
+inputs, with its pytree specs and export's `_guards_fn` outside the compiled code, gives what the
+graph's own code gives, and a graph rewritten after its compile gets a new flat callable."""
 
 from __future__ import annotations
 

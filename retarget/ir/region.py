@@ -5,7 +5,8 @@ whole model. Each repeat's module is re-classed as a `RegionModule`, whose forwa
 region for the graph that matches the call's signature, capturing on a miss (so a last batch of
 another size costs one more capture, not a wrong answer), and runs it against the repeat's own
 live parameters. Passes rewrite a region's graphs through `add_transform`, which also replays the
-rewrite on every later capture.
+rewrite on every later capture. The signature and its cache (a repeat's module walk, its last
+call's quick signature and graph) live in `ir/call_key.py`.
 """
 
 from __future__ import annotations
