@@ -41,6 +41,10 @@ def test_flat_form_of_a_llama_layer_matches_its_own_code_and_reads_no_spec():
     code = flat.gm.code
     assert "_in_spec" not in code and "_out_spec" not in code and EXPORT_GUARDS not in code
     assert EXPORT_GUARDS in graph.gm.code  # the uncompiled path keeps export's check
+    by_spec = FlatGraph.of(graph.gm)
+    by_spec.plan = None  # `tree_flatten_spec` of the whole call, as the graph's own code does
+    pairs = zip(flat.inputs(args, kwargs), by_spec.inputs(args, kwargs), strict=True)
+    assert all(a is b for a, b in pairs)
     private = BINDINGS.get(module)[id(graph)][1]
     assert "_in_spec" in private and flat.private(private) == {}
     torch.manual_seed(0)

@@ -34,6 +34,21 @@ from retarget.frontends.binding import CallForward
 EXPORT_GUARDS = "_guards_fn"
 
 
+_LEAF, _EMPTY, _SEQUENCE, _TREE = "leaf", "empty", "sequence", "tree"
+
+
+def _plan(spec: Any) -> tuple[str, Any, int]:
+    """How one input's leaves are taken, as `tree_flatten_spec` would take them: the value itself
+    (a leaf), nothing (None), a tuple/list of leaves as it is, or `tree_flatten_spec` itself."""
+    if spec.is_leaf():
+        return (_LEAF, spec, 1)
+    if spec.type is type(None):
+        return (_EMPTY, spec, 0)
+    if spec.type in (tuple, list) and all(child.is_leaf() for child in spec.children()):
+        return (_SEQUENCE, spec, spec.num_children)
+    return (_TREE, spec, 0)
+
+
 class FlatGraph:
     """One graph's flat form, and the Python that flattens a call for it."""
 
@@ -52,6 +67,11 @@ class FlatGraph:
         )
         self.count = spec.child(0).num_children if self.split else len(names)
         self.keys = tuple(spec.child(1).context) if self.split else ()
+        tops = spec.children()
+        if self.split:
+            tops = [*spec.child(0).children(), *spec.child(1).children()]
+        self.plan = tuple(_plan(child) for child in tops) if len(tops) == len(names) else None
+        """Per input, how its leaves are taken (`_plan`); None: always `tree_flatten_spec`."""
         graph = copy.deepcopy(gm.graph)
         for node in list(graph.find_nodes(op="call_module", target=EXPORT_GUARDS)):
             if not node.users:
@@ -94,11 +114,19 @@ class FlatGraph:
                 values = self._bound(args, kwargs)
         else:
             values = self._bound(args, kwargs)
+        if self.plan is not None:
+            flat: list[Any] = []
+            for value, (mode, spec, size) in zip(values, self.plan, strict=True):
+                if mode is _LEAF:
+                    flat.append(value)
+                elif mode is _SEQUENCE and type(value) is spec.type and len(value) == size:
+                    flat.extend(value)
+                elif not (mode is _EMPTY and value is None):
+                    flat.extend(fx_pytree.tree_flatten_spec(value, spec))
+            return flat
         if self.split:
-            tree: Any = (
-                list(values[: self.count]),
-                dict(zip(self.keys, values[self.count :], strict=True)),
-            )
+            keyed = dict(zip(self.keys, values[self.count :], strict=True))
+            tree: Any = (list(values[: self.count]), keyed)
         else:
             tree = list(values)
         return fx_pytree.tree_flatten_spec(tree, self.in_spec)
