@@ -182,3 +182,35 @@ def test_a_region_left_eager_is_named_in_one_warning() -> None:
     assert len(messages) == 1
     assert "blocks.* (export: " in messages[0]
     assert "passes in their eager form: insert_autocast" in messages[0]
+
+
+@pytest.mark.parametrize("kind", ["forward pre-hook", "backward hook", "global forward hook"])
+def test_a_hook_added_after_warm_calls_is_seen_and_its_removal_too(kind: str) -> None:
+    # The block's walk and its last call are cached after the first calls; hooks are not.
+    reference, model, inputs = _llama_pair()
+    compiled = compile_for(model, "single", example_inputs=inputs)
+    inputs = {**inputs, "use_cache": False}  # plain calls: the quick signature's path
+    for _ in range(3):
+        _run(compiled, inputs)
+    runs = _count_graph_runs(compiled)  # the graphs of these calls, captured at the first
+    _run(compiled, inputs)
+    assert runs[0] == 2
+    fired: list[int] = []
+    mlp = compiled.model.layers[0].mlp
+    if kind == "forward pre-hook":
+        handle = mlp.register_forward_pre_hook(lambda m, a: fired.append(1))
+    elif kind == "backward hook":
+        handle = mlp.register_full_backward_hook(lambda m, gi, go: fired.append(1))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: fired.append(1) if m is mlp else None
+        )
+    try:
+        with pytest.warns(EagerRegionWarning, match=kind):
+            got = _run(compiled, inputs)
+    finally:
+        handle.remove()
+    assert fired == [1] and torch.equal(got.loss, _run(reference, inputs).loss)
+    assert runs[0] == 2 + (1 if "global" not in kind else 0)  # layer 1 keeps its graph
+    _run(compiled, inputs)
+    assert runs[0] == 4 + (1 if "global" not in kind else 0) and fired == [1]

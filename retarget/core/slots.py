@@ -15,6 +15,8 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     REGION         the Region a block repeat belongs to             passes.capture.capture_regions
     PATH           that repeat's path in the model                  passes.capture.capture_regions
     BINDINGS       per graph, the graph-private values bound to it  ir.region
+    BLOCK_WALK     a repeat's modules, for its call signature/hooks  ir.call_key
+    LAST_CALL      a repeat's last call signature and its graph     ir.region (ir.call_key)
     CHECKPOINT     how a repeat is checkpointed                     passes.memory.checkpoint_blocks
     AUTOCAST       a glue module's autocast policy                  passes.precision.insert_autocast
     AUTOCAST_EVAL  whether an FP8 module runs FP8 in eval mode      kernels.fp8.backends
@@ -65,6 +67,8 @@ STEP_GUARD: Slot[Any] = Slot("step_guard")
 REGION: Slot[Any] = Slot("region")
 PATH: Slot[str] = Slot("path")
 BINDINGS: Slot[dict] = Slot("bindings")
+BLOCK_WALK: Slot[Any] = Slot("block_walk")
+LAST_CALL: Slot[tuple] = Slot("last_call")
 CHECKPOINT: Slot[Any] = Slot("checkpoint")
 AUTOCAST: Slot[Any] = Slot("autocast")
 AUTOCAST_EVAL: Slot[bool] = Slot("autocast_eval")

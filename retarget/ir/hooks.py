@@ -5,6 +5,8 @@ forward pre/post hook, a full backward hook, or a global module hook) cannot run
 such a hook exists the region runs its eager form (every pass's module-level rewrite applied) and
 the hook fires exactly as in eager; once it is removed the region returns to its graph. Hooks on
 the region module itself need nothing: `nn.Module.__call__` runs them around the graph.
+`Region.call` asks `hook_inside` only when the block's cached walk (`ir/call_key.py`) finds a
+hook dict that is not empty, so a block without hooks pays a few dict lookups per call.
 
 Hooks retarget installs (its probes) and torch.distributed's (FSDP2 puts its hooks on the
 sharded blocks themselves, around the graph) are not the user's: `is_users` tells them apart by

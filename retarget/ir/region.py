@@ -5,7 +5,8 @@ whole model. Each repeat's module is re-classed as a `RegionModule`, whose forwa
 region for the graph that matches the call's signature, capturing on a miss (so a last batch of
 another size costs one more capture, not a wrong answer), and runs it against the repeat's own
 live parameters. Passes rewrite a region's graphs through `add_transform`, which also replays the
-rewrite on every later capture.
+rewrite on every later capture. The signature and its cache (a repeat's module walk, its last
+call's quick signature and graph) live in `ir/call_key.py`.
 """
 
 from __future__ import annotations
@@ -18,16 +19,21 @@ from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
 
 from retarget.core.capturing import capturing_originals
 from retarget.core.errors import EagerRegionWarning, PassError
 from retarget.core.slots import BINDINGS, PATH, REGION
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
 from retarget.frontends.check import check_against_eager
-from retarget.frontends.state import describe_state
-from retarget.frontends.state_layers import layer_index
-from retarget.frontends.state_layout import is_state
+from retarget.ir.call_key import (
+    autocast_state,
+    block_walk,
+    call_key,
+    last_call,
+    masked_key,
+    quick_signature,
+    remember_call,
+)
 from retarget.ir.hooks import hook_inside, users_hooks_set_aside
 
 PENDING = "pending"
@@ -217,12 +223,13 @@ class Region:
 
     # -- running --------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict, eager: Callable) -> Any:
-        hooked = hook_inside(module)
+        walk = block_walk(module)
+        hooked = hook_inside(module) if walk.may_hold_hooks() else None
         if hooked is not None:  # a graph would skip the hook: run the eager form meanwhile
             self._note_hook(*hooked)
             graph = None
         else:
-            graph = self.graph_for(module, args, kwargs)
+            graph = self._graph_for_call(module, args, kwargs, walk.training())
         if graph is None:
             for _, wrap in self.eager_forms:
                 eager = wrap(eager)
@@ -237,6 +244,27 @@ class Region:
         if self.runner is not None:
             return self.runner.graph_call(module, graph, args, kwargs, cached[1])
         return graph.run(module, args, kwargs, cached[1])
+
+    def graph_epoch(self) -> tuple:
+        """Changes whenever the graph table may have: a capture, a reuse, a removal."""
+        return (self.captures, self.reuses, len(self.graphs), self.eager_only, self.shared)
+
+    def _graph_for_call(
+        self, module: nn.Module, args: tuple, kwargs: dict, training: tuple
+    ) -> CapturedGraph | None:
+        """`graph_for`, with the repeat's last graph reused when the call looks the same."""
+        quick = quick_signature(args, kwargs)
+        if quick is None:
+            return self.graph_for(module, args, kwargs)
+        token = (quick, training, autocast_state())
+        last = last_call(module)
+        epoch = self.graph_epoch()
+        if last is not None and last[2] is self and last[3] == epoch and last[0] == token:
+            return last[1]
+        graph = self.graph_for(module, args, kwargs)
+        if graph is not None:
+            remember_call(module, token, graph, self, self.graph_epoch())
+        return graph
 
 
 def _mismatch_only(failures: list[tuple[str, str]]) -> bool:
@@ -302,67 +330,3 @@ class RegionModule(nn.Module):
         if region is None:
             return super().forward(*args, **kwargs)
         return region.call(self, args, kwargs, super().forward)
-
-
-def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """What a captured graph is specialised to: input structure, shapes, flags, autocast."""
-    leaves, spec = tree_flatten((args, kwargs))
-    index = layer_index(module)
-    described = tuple(_describe(leaf, index) for leaf in leaves)
-    # Walked every call, not cached: passes may swap submodules after the first call.
-    training = tuple(m.training for m in module.modules())
-    autocast = (
-        torch.is_grad_enabled(),  # eager picks some kernels by it (matmul's batch folding)
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cuda"),
-    )
-    return (spec, described, training, autocast)
-
-
-def masked_key(key: tuple, dynamic: frozenset) -> tuple:
-    """`call_key`'s value with the sizes at `dynamic` positions (a graph's symbolic ones) blanked.
-
-    Positions are ("leaf", i, dim) for the i-th flat argument, or ("state", i, t, dim) for the
-    t-th tensor of the stateful argument at flat position i.
-    """
-    spec, described, training, autocast = key
-    described = list(described)
-    for position in sorted(dynamic, key=repr):
-        if position[0] == "leaf":
-            _, i, dim = position
-            if not isinstance(described[i], tuple) or len(described[i]) != 4:
-                return (spec, None, training, autocast)
-            shape, *rest = described[i]
-            described[i] = (_blank(shape, dim), *rest)
-        else:
-            _, i, t, dim = position
-            if not (isinstance(described[i], tuple) and described[i][:1] == ("state",)):
-                return (spec, None, training, autocast)
-            tag, skeleton, metas = described[i]
-            if t >= len(metas):
-                return (spec, None, training, autocast)
-            metas = list(metas)
-            shape, *rest = metas[t]
-            metas[t] = (_blank(shape, dim), *rest)
-            described[i] = (tag, skeleton, tuple(metas))
-    return (spec, tuple(described), training, autocast)
-
-
-def _blank(shape: Any, dim: int) -> tuple:
-    if not isinstance(shape, tuple) or dim >= len(shape):
-        return ("no such size", shape)  # another structure: never equal to the pattern
-    return (*shape[:dim], None, *shape[dim + 1 :])
-
-
-def _describe(leaf: Any, index: int | None) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.is_contiguous())
-    if is_state(leaf):  # a KV cache: its structure and its tensors' shapes, not its identity
-        return describe_state(leaf, index)
-    try:
-        hash(leaf)
-    except TypeError:
-        return (type(leaf), id(leaf))
-    return (type(leaf), leaf)

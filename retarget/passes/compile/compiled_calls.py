@@ -4,10 +4,14 @@
 `CallRunner`). A captured graph (one per call signature, already rewritten by every precision and
 checkpointing pass) gets one `torch.compile` of the call of its code (`binding.call_graph_forward`;
 the KV-cache bookkeeping and argument binding around it stay eager, so dynamo never guards on a
-cache object). The graph reads parameters from the live module it is called with, so that one
-compiled callable serves every repeat of the block (dynamo takes the module's tensors as inputs,
-it does not guard on which repeat it is). `isolate_recompiles=True` keeps each callable's cache
-entries and recompile limit its own: every graph shares `call_graph_forward`'s code object.
+cache object). An export graph is compiled in its flat form (`flat_calls.FlatGraph`: inputs
+flattened and the output rebuilt outside, export's input check left to the call signature), so
+dynamo guards no pytree spec. The graph reads parameters from the live module it is called with,
+so that one compiled callable serves every repeat of the block (dynamo takes the module's tensors
+as inputs, it does not guard on which repeat it is). `isolate_recompiles=True` keeps each
+callable's cache entries and recompile limit its own: a region's graphs share one code object, a
+copy of `call_graph_forward`'s named after the region (`region_entry`), so what dynamo learns
+about input sizes stays within the region.
 A region no frontend captured compiles its eager form (the module's forward with every pass's
 module-level rewrite), once per region.
 
@@ -25,7 +29,9 @@ run fails too, the error is the model's and is raised as eager would raise it.
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +46,10 @@ from torch.utils.checkpoint import _StopRecomputationError
 from retarget.core.capturing import capturing
 from retarget.core.errors import RegionCompileError, UncompiledRegionWarning
 from retarget.frontends import CapturedGraph, one_line
-from retarget.frontends.binding import call_graph_forward
+from retarget.frontends.binding import CallForward, call_graph_forward
+from retarget.passes.compile.flat_calls import FlatGraph
 
+_RUNNERS = itertools.count()
 #: The target's dynamic=auto|true|false as torch.compile's dynamic=None|True|False.
 DYNAMIC = {"auto": None, "true": True, "false": False}
 
@@ -99,8 +107,9 @@ class RegionCompiler:
         self.region_name = region_name
         self.settings = settings
         self.stats = CompileStats(form=form)
-        self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any]]] = {}
+        self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any], CallForward]] = {}
         self._eager: Callable[..., Any] | None = None
+        self._entry = region_entry(region_name)
 
     # -- CallRunner ------------------------------------------------------------------------
     def graph_call(
@@ -149,12 +158,17 @@ class RegionCompiler:
         # compiled model) traces through this call, so it must not start a second compile.
         return bool(self.stats.fallback) or capturing() or torch.compiler.is_compiling()
 
-    def _compiled_graph(self, graph: CapturedGraph) -> Callable[..., Any]:
+    def _compiled_graph(self, graph: CapturedGraph) -> CallForward:
+        """The compiled call of `graph`'s current code: flat (`flat_calls`) where it has a flat
+        form; made anew if a rewrite recompiled the graph since."""
+        forward = type(graph.gm).forward
         entry = self._graphs.get(id(graph))
-        if entry is None:
-            entry = (graph, self._compile(call_graph_forward))
+        if entry is None or entry[1] is not forward:
+            compiled = self._compile(self._entry)
+            flat = FlatGraph.of(graph.gm)
+            entry = (graph, forward, compiled if flat is None else flat.call_forward(compiled))
             self._graphs[id(graph)] = entry
-        return entry[1]
+        return entry[2]
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(fn, **self.settings.torch_kwargs(), isolate_recompiles=True)
@@ -203,6 +217,21 @@ class RegionCompiler:
             stacklevel=6,
         )
         return out
+
+
+def region_entry(region_name: str) -> CallForward:
+    """`call_graph_forward` under a code object of this region's own (one per runner).
+
+    dynamo keys what it learns about a frame's inputs (which sizes changed, so `dynamic=auto`
+    makes them symbolic) by the code's (file, line, name). Flat calls put every region's inputs
+    at the same names (`args[0]`, ...), so with one shared code object a shape seen by one
+    region (of any model in the process) would make another region's first compile dynamic; a
+    name per runner keeps that learning within the region, where a new batch size is a new
+    signature of the same block.
+    """
+    code = call_graph_forward.__code__
+    code = code.replace(co_name=f"call_graph_forward[{region_name}#{next(_RUNNERS)}]")
+    return types.FunctionType(code, call_graph_forward.__globals__, code.co_name)
 
 
 def _reason(exc: Exception) -> str:
