@@ -249,6 +249,10 @@ class Region:
         """Changes whenever the graph table may have: a capture, a reuse, a removal."""
         return (self.captures, self.reuses, len(self.graphs), self.eager_only, self.shared)
 
+    def graph_for_call(self, module: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph | None:
+        """`graph_for` through the repeat's last-call cache (what `call` uses)."""
+        return self._graph_for_call(module, args, kwargs, block_walk(module).training())
+
     def _graph_for_call(
         self, module: nn.Module, args: tuple, kwargs: dict, training: tuple
     ) -> CapturedGraph | None:

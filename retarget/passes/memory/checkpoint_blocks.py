@@ -270,7 +270,8 @@ class CheckpointedModule(nn.Module):
         region = REGION.get(self)
         scoped = False
         if region is not None:
-            graph = region.graph_for(self, args, kwargs)  # a new signature is captured out here
+            # A new signature is captured out here; a known one is the last call's (cached).
+            graph = region.graph_for_call(self, args, kwargs)
             # Uncompiled, the region scopes the modes itself: at kept calls of a scoped graph,
             # or around the whole eager form. A compiled call runs under torch's whole-block form.
             scoped = region.runner is None and (graph is None or is_scoped(graph.gm))
