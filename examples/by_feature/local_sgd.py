@@ -52,7 +52,7 @@ def main() -> None:
             train_losses=gathered_losses(accelerator, losses),
             **metrics,
         )
-    del model  # see common.end_training
+    del model, local_sgd  # LocalSGD holds the model too; see common.end_training
     end_training(accelerator)
 
 
