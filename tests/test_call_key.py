@@ -12,6 +12,8 @@ import retarget
 from retarget.core.errors import EagerRegionWarning
 from retarget.core.modules import structural_copy
 from retarget.ir.call_key import block_walk, call_key, quick_signature
+from tests.test_hooks import count_region_runs
+from tests.test_region import Stack
 
 
 class DropBlock(nn.Module):
@@ -24,37 +26,13 @@ class DropBlock(nn.Module):
         return self.drop(torch.relu(self.fc(x))) * scale + x
 
 
-class Stack(nn.Module):
-    def __init__(self, depth: int = 3):
-        super().__init__()
-        self.blocks = nn.ModuleList(DropBlock() for _ in range(depth))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _compiled():
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(depth=3, block=DropBlock)
     x = torch.randn(2, 8)
     compiled = retarget.compile_for(model, example_inputs=x)
     (region,) = compiled.program.regions
     return model, compiled, region, x
-
-
-def _graph_runs(region) -> list[int]:
-    runs = [0]
-    for graph in region.distinct_graphs():
-        run = graph.run
-
-        def counted(*args, run=run, **kwargs):
-            runs[0] += 1
-            return run(*args, **kwargs)
-
-        graph.run = counted
-    return runs
 
 
 def _seeded(model, x):
@@ -95,7 +73,7 @@ def test_a_submodule_swapped_after_warm_calls_is_walked(how):
     new.eval()
     seen = []
     new.register_forward_hook(lambda m, a, out: seen.append(out.shape))
-    runs = _graph_runs(region)
+    runs = count_region_runs(region)
     with pytest.warns(EagerRegionWarning, match="forward hook on drop"):
         compiled(x)
     assert seen == [torch.Size([2, 8])]
@@ -124,7 +102,7 @@ def test_a_graph_table_emptied_after_warm_calls_is_not_read_through_the_cache():
     compiled.eval(), model.eval()
     for _ in range(3):
         compiled(x)
-    runs = _graph_runs(region)
+    runs = count_region_runs(region)
     region.graphs.clear()  # what a pass making the region eager-only does (tp's split blocks)
     region.eager_only = True
     assert torch.equal(compiled(x), model(x))

@@ -22,9 +22,14 @@ def _llama_pair():
 
 
 def _count_graph_runs(compiled) -> list[int]:
-    """Count the calls that ran the region's graphs (instance attribute shadows the method)."""
-    runs = [0]
+    """Count the calls that ran the compiled model's one region's graphs."""
     (region,) = compiled.program.regions
+    return count_region_runs(region)
+
+
+def count_region_runs(region) -> list[int]:
+    """Count the calls that ran `region`'s graphs (instance attribute shadows the method)."""
+    runs = [0]
     for graph in region.distinct_graphs():
         run = graph.run
 
