@@ -42,23 +42,11 @@ def _dropout_off(model: nn.Module) -> nn.Module:
     return model.train()
 
 
-def llama() -> nn.Module:
+def _decoder(config_class: type, model_class: type, **extra: object) -> nn.Module:
+    """A Llama-style causal LM at the shared sizes, with GQA (2 key/value heads for 4 query
+    heads)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=2,  # GQA: 2 key/value heads for 4 query heads
-        max_position_embeddings=64,
-    )
-    return _dropout_off(LlamaForCausalLM(config))
-
-
-def qwen2() -> nn.Module:
-    torch.manual_seed(0)
-    config = Qwen2Config(
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=INTER,
@@ -66,24 +54,22 @@ def qwen2() -> nn.Module:
         num_attention_heads=HEADS,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        **extra,
     )
-    return _dropout_off(Qwen2ForCausalLM(config))
+    return _dropout_off(model_class(config))
+
+
+def llama() -> nn.Module:
+    return _decoder(LlamaConfig, LlamaForCausalLM)
+
+
+def qwen2() -> nn.Module:
+    return _decoder(Qwen2Config, Qwen2ForCausalLM)
 
 
 def qwen3() -> nn.Module:
     """Qwen3: per-head q/k norms, read whole on each rank's heads (partial gradients)."""
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=2,
-        head_dim=HIDDEN // HEADS,
-        max_position_embeddings=64,
-    )
-    return _dropout_off(Qwen3ForCausalLM(config))
+    return _decoder(Qwen3Config, Qwen3ForCausalLM, head_dim=HIDDEN // HEADS)
 
 
 def neox() -> nn.Module:
