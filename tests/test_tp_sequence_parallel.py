@@ -18,7 +18,7 @@ import retarget
 from retarget.core.errors import TargetNotSupportedError
 from tests import tp_models as tm
 from tests.distributed import run_ranks
-from tests.test_tp_training import ROWS, _example, _gradient_errors, _rows
+from tests.test_tp_training import ROWS, _example, _rows, step_errors
 
 SP = "tp[size=2,sequence_parallel=true]"
 SP_LP = "tp[size=2,sequence_parallel=true,loss_parallel=true]"
@@ -38,7 +38,6 @@ def one_step(
     """(loss error, worst gradient error, DTensor parameters) per model against one process;
     the backward through the runtime, or `loss.backward()` itself (`direct`); `padded`: rows
     right-padded (an attention mask, padded labels -100)."""
-    import torch.distributed as dist
 
     out = {}
     for name in names:
@@ -55,14 +54,7 @@ def one_step(
         expected = tm.loss_of(reference, batch)
         expected.backward()
         compiled = retarget.compile_for(build(), target, example_inputs=_example(kind))
-        dp = world // 2
-        loss = tm.loss_of(compiled, _rows(batch, rank // 2, dp))
-        loss.backward() if direct else compiled.runtime.backward(loss)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
-        split = sum(hasattr(p, "placements") for p in compiled.parameters())
-        out[name] = (loss_error, _gradient_errors(compiled, reference), split)
+        out[name] = step_errors(rank, world, compiled, batch, reference, expected, direct)
     return out
 
 

@@ -47,7 +47,6 @@ def _rows(batch: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, t
 
 
 def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str, Any]:
-    import torch.distributed as dist
 
     import retarget
     from tests import tp_models as tm
@@ -61,15 +60,28 @@ def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str,
         expected.backward()
         spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
         compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
-        dp = world // 2
-        loss = tm.loss_of(compiled, _rows(batch, rank // 2, dp))  # tp ranks share a batch
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
-        split = sum(hasattr(p, "placements") for p in compiled.parameters())
-        out[name] = (loss_error, _gradient_errors(compiled, reference), split)
+        out[name] = step_errors(rank, world, compiled, batch, reference, expected)
     return out
+
+
+def step_errors(
+    rank: int, world: int, compiled: Any, batch: dict, reference: Any, expected: Any, direct=True
+) -> tuple[float, float, int]:
+    """One step of `compiled` on this rank's rows of `batch` (tp ranks of a dp group share
+    them) against `reference`'s step on all of it (`expected` its loss, backward done): (loss
+    error, worst gradient error, DTensor parameters). `direct`: `loss.backward()`, else the
+    runtime's backward."""
+    import torch.distributed as dist
+
+    from tests import tp_models as tm
+
+    loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
+    loss.backward() if direct else compiled.runtime.backward(loss)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
+    split = sum(hasattr(p, "placements") for p in compiled.parameters())
+    return loss_error, _gradient_errors(compiled, reference), split
 
 
 def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[str, float]:
