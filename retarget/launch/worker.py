@@ -40,12 +40,21 @@ def report_progress(folder: str, rank: str, main_thread: int) -> None:
     The innermost Python frame tells a rank waiting inside torch (a collective, a backward)
     from one stuck in its own code (a sleep, an endless loop, a lock): when a collective times
     out, the launcher names the ranks that were not in it.
+
+    Only frames of the script's run are reported: once it has returned or raised (the main
+    thread handling the failure, running atexit handlers or tearing down the process group),
+    the last report stays as it was, else a rank that failed waiting inside a collective would
+    read as stuck in its own code while it exits.
     """
     path = os.path.join(folder, f"rank_{rank}.json")
     while True:
         frame = sys._current_frames().get(main_thread)
         if frame is None:
             return
+        if not _inside(frame, run_script.__code__):
+            del frame
+            time.sleep(PROGRESS_EVERY_S)
+            continue
         inner = frame
         in_torch = any(part in inner.f_code.co_filename for part in _TORCH_PARTS)
         record = {
@@ -59,6 +68,23 @@ def report_progress(folder: str, rank: str, main_thread: int) -> None:
             json.dump(record, stream)
         os.replace(path + ".tmp", path)
         time.sleep(PROGRESS_EVERY_S)
+
+
+def _inside(frame, code) -> bool:
+    """Whether `code` runs in `frame` or in one of its callers."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def run_script(script: str, module: bool) -> None:
+    """Run the script (or `-m` module) as `__main__`; the reporter reports only inside this call."""
+    if module:
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 def record_failure(error: BaseException, error_file: str | None) -> None:
@@ -107,10 +133,7 @@ def main(argv: list[str]) -> None:
         )
         reporter.start()
     try:
-        if module:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(script, run_name="__main__")
+        run_script(script, module)
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             record_failure(exit_, error_file)
