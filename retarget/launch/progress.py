@@ -2,9 +2,9 @@
 
 Every rank's worker (launch/worker.py) writes, twice a second while the script runs, where its
 main thread is and whether that is inside torch (computing, or waiting in a collective) or in
-the script's own code. When a run fails with a collective timeout, the ranks that were waiting are not the
-problem: the rank whose last report is outside torch (asleep, looping, blocked on a lock) is.
-The launcher names it with the line it was at.
+the script's own code. When a run fails with a collective timeout, the ranks that were waiting
+are not the problem: the rank whose last report is outside torch (asleep, looping, blocked on a
+lock) is. The launcher names it with the line it was at.
 """
 
 from __future__ import annotations
