@@ -96,6 +96,20 @@ def test_fsdp_plus_tp_plans_a_dp_by_tp_mesh():
         assert len(unit.per_rank) == 2 and sum(unit.per_rank) == blocks[unit.path][0]
 
 
+def test_fsdp_plus_tp_counts_a_fused_bias_whole_on_every_dp_rank():
+    # GPT-2's c_attn bias is q|k|v split on dim 0: FSDP2 cannot chunk it over dp, so each dp
+    # rank keeps its tp slice whole (runtime/tp_fsdp.py); the counts and the estimate say so.
+    compiled = _compile("gpt2", "fsdp+tp[size=2,plan=tests.tp_models:GPT2_2]", world=4)
+    blocks = compiled.program.plan.tp.blocks
+    for unit in compiled.program.plan.fsdp.units[:-1]:
+        bias = compiled.get_submodule(unit.path).attn.c_attn.bias.numel() // 2  # one tp slice
+        assert unit.per_rank[0] == unit.per_rank[1]
+        assert sum(unit.per_rank) == blocks[unit.path][0] + bias  # one extra copy, not a split
+    estimate = estimate_memory(compiled, optimizer="sgd")
+    planned = sum(u.per_rank[0] for u in compiled.program.plan.fsdp.units)
+    assert estimate.parameters == 4 * planned
+
+
 def _refusal(name: str, target: str, world: int = 2) -> str:
     with pytest.raises(TargetNotSupportedError) as info:
         _compile(name, target, world)

@@ -143,7 +143,27 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
         "applied": compiled.program.plan.applied.wrapped,
         "seen": seen,
         "gathered": sorted(sum(gathered, [])),
+        "per_rank": _held_and_planned(compiled, rank // 2),
     }
+
+
+def _held_and_planned(compiled: Any, dp_rank: int) -> tuple[list[int], list[int]] | None:
+    """Under fsdp: the elements this rank holds per FSDP unit, and what the plan says it holds."""
+    fsdp = compiled.program.plan.fsdp
+    if fsdp is None:
+        return None
+    inner = {
+        id(p) for u in fsdp.units if u.path for p in compiled.get_submodule(u.path).parameters()
+    }
+    held = []
+    for unit in fsdp.units:
+        params = (
+            compiled.get_submodule(unit.path).parameters()
+            if unit.path
+            else (p for p in compiled.parameters() if id(p) not in inner)
+        )
+        held.append(sum(p.to_local().numel() for p in params))
+    return held, [u.per_rank[dp_rank] for u in fsdp.units]
 
 
 def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> dict[str, Any]:
@@ -310,6 +330,11 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
         assert error <= 1e-5, (name, error)
     for name in ("gpt2", "qwen3"):
         _check_steps([r[f"train_{name}"] for r in results], 4)
+    # shard_fsdp's per-rank counts are what FSDP2 left on each rank (GPT-2's fused bias whole).
+    for key in ("train", "train_gpt2", "train_qwen3"):
+        for r in results:
+            held, planned = r[key]["per_rank"]
+            assert held == planned, (key, held, planned)
     train = [r["train"] for r in results]
     assert train[0]["applied"] == "fully_shard x 3 (mesh (2, 2))"
     # The two tp ranks of a dp group saw the same rows, the two dp groups different ones.

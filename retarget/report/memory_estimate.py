@@ -19,6 +19,7 @@ rank's batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import nn
 from retarget.core.world import World
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
-from retarget.passes.shard.shard_tp import local_shapes
+from retarget.passes.shard.shard_tp import fsdp_shapes
 from retarget.target.grammar import Target, parse_target
 from retarget.target.strategies import STRATEGY
 
@@ -150,7 +151,9 @@ def estimate_memory(
     sharded = STRATEGY[target.strategy].shards
     params = _unique_parameters(program.module)
     tp = program.plan.tp
-    split = local_shapes(program, tp) if tp is not None else {}
+    split, whole = fsdp_shapes(program, tp, shards) if tp is not None else ({}, set())
+    for kept in whole:  # each dp rank holds it all: one row, which no dim-0 chunking divides
+        split[kept] = (1, math.prod(split[kept]))
     if tp is not None:
         notes.append(f"tp[size={tp.size}]: the split modules hold 1/{tp.size} of their weights")
     trained = [p for p in params if p.requires_grad]

@@ -49,7 +49,7 @@ from retarget.core.plans import FsdpPlan, FsdpUnit
 from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.shard.shard_tp import local_shapes
+from retarget.passes.shard.shard_tp import fsdp_shapes
 from retarget.target.grammar import Target
 from retarget.target.precisions import LOW_DTYPES, dtype_name
 from retarget.target.strategies import FSDP_STRATEGIES
@@ -154,12 +154,16 @@ class Unit:
     block_type: str
     parameters: int
     shapes: tuple[tuple[int, ...], ...]
+    """The shapes FSDP2 chunks on dim 0 (under fsdp+tp: what tp left on a rank)."""
+    whole: tuple[tuple[int, ...], ...] = ()
+    """Shapes every rank keeps whole (fsdp+tp's fused parts that no dim lets dp divide)."""
 
     def per_rank(self, mesh: tuple[int, ...]) -> list[int]:
         """Elements each rank holds, in rank order (mesh rows are replica groups)."""
         shards = mesh[-1]
+        kept = sum(math.prod(shape) for shape in self.whole)
         return [
-            sum(local_numel(shape, shards, rank % shards) for shape in self.shapes)
+            kept + sum(local_numel(shape, shards, rank % shards) for shape in self.shapes)
             for rank in range(math.prod(mesh))
         ]
 
@@ -185,7 +189,7 @@ class ShardFsdp(Pass):
     def run(self, program: Program) -> PassResult:
         world = program.world
         mesh = self.options.mesh_shape(world)
-        units, kept = plan_units(program, self.options.min_params)
+        units, kept = plan_units(program, self.options.min_params, mesh[-1])
         program.plan.fsdp = fsdp_plan(self.options, world, mesh, units)
         notes = [unit_note(u, mesh) for u in units]
         notes += kept
@@ -225,8 +229,9 @@ def fsdp_plan(
     )
 
 
-def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]]:
-    """The repeated blocks that become units, then the root unit; notes on blocks kept out."""
+def plan_units(program: Program, min_params: int, dp: int = 1) -> tuple[list[Unit], list[str]]:
+    """The repeated blocks that become units, then the root unit; notes on blocks kept out.
+    `dp`: the ranks a unit is sharded over (under fsdp+tp, fused parts may be kept whole)."""
     root = program.module
     owners: dict[int, set[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
@@ -235,10 +240,17 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
     taken: set[int] = set()
     notes: list[str] = []
     # fsdp+tp: FSDP shards what tp left on each rank (tp's plan runs first).
-    split = local_shapes(program, program.plan.tp) if program.plan.tp is not None else {}
+    tp = program.plan.tp
+    split, kept_whole = fsdp_shapes(program, tp, dp) if tp is not None else ({}, set())
 
-    def shape(param: nn.Parameter) -> tuple[int, ...]:
-        return split.get(id(param), tuple(param.shape))
+    def unit(path: str, block_type: str, params: list[nn.Parameter]) -> Unit:
+        return Unit(
+            path,
+            block_type,
+            sum(p.numel() for p in params),
+            tuple(split.get(id(p), tuple(p.shape)) for p in params if id(p) not in kept_whole),
+            tuple(split[id(p)] for p in params if id(p) in kept_whole),
+        )
 
     whole = next((r for r in program.regions if "" in r.paths and not r.eager_only), None)
     if whole is not None and program.blocks:
@@ -261,17 +273,10 @@ def plan_units(program: Program, min_params: int) -> tuple[list[Unit], list[str]
                 )
                 notes.append(f"{path}: stays in the root unit ({why})")
                 continue
-            units.append(Unit(path, group.block_type, count, tuple(shape(p) for p in params)))
+            units.append(unit(path, group.block_type, params))
             taken.update(id(p) for p in params)
     rest = [p for p in _unique(root) if id(p) not in taken]
-    units.append(
-        Unit(
-            ROOT_UNIT,
-            type(program.original).__name__,
-            sum(p.numel() for p in rest),
-            tuple(shape(p) for p in rest),
-        )
-    )
+    units.append(unit(ROOT_UNIT, type(program.original).__name__, rest))
     return units, notes
 
 

@@ -291,20 +291,51 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
 
 
 def local_shapes(program: Program, plan: TpPlan) -> dict[int, tuple[int, ...]]:
-    """id(parameter) -> the shape one tp rank holds, for the parameters the plan splits (what
-    FSDP then shards over dp)."""
+    """id(parameter) -> the shape one tp rank holds, for the parameters the plan splits."""
+    return {id(param): shape for param, shape, _ in _split_parameters(program, plan)}
+
+
+def fsdp_shapes(
+    program: Program, plan: TpPlan, dp: int
+) -> tuple[dict[int, tuple[int, ...]], set[int]]:
+    """fsdp+tp: what FSDP2 then shards over the `dp` ranks of each split parameter.
+
+    Returns id(parameter) -> the tp rank's shape with the dim FSDP2 chunks moved first, and the
+    ids each dp rank keeps whole. FSDP2 chunks dim 0, except for fused parts split on dim 0
+    (GPT-2's c_attn bias): runtime/tp_fsdp.py shards those on the first other dim `dp` divides,
+    or keeps them whole on every dp rank when there is none.
+    """
     shapes: dict[int, tuple[int, ...]] = {}
+    whole: set[int] = set()
+    for param, shape, fused_dim_0 in _split_parameters(program, plan):
+        if fused_dim_0 and dp > 1:
+            dim = next((d for d in range(1, len(shape)) if shape[d] % dp == 0), None)
+            if dim is None:
+                whole.add(id(param))
+            else:
+                shape = (shape[dim], *shape[:dim], *shape[dim + 1 :])
+        shapes[id(param)] = shape
+    return shapes, whole
+
+
+def _split_parameters(program: Program, plan: TpPlan) -> list[tuple[Any, tuple[int, ...], bool]]:
+    """(parameter, the shape one tp rank holds, whether it is fused parts split on dim 0) for
+    each parameter the plan splits, once each."""
+    found: list[tuple[Any, tuple[int, ...], bool]] = []
+    seen: set[int] = set()
     for path, rule in plan.rules.items():
         module = program.submodule(path)
         kind = module_kind(module)
+        fused = plan.fused.get(path, 1) > 1
         for name, dim in (split_dims(kind, rule.style) if kind else {}).items():
             param = getattr(module, name, None)
-            if param is None or dim is None or id(param) in shapes:
+            if param is None or dim is None or id(param) in seen:
                 continue
+            seen.add(id(param))
             shape = list(param.shape)
             shape[dim] //= plan.size
-            shapes[id(param)] = tuple(shape)
-    return shapes
+            found.append((param, tuple(shape), fused and dim == 0))
+    return found
 
 
 def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
