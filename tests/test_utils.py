@@ -50,7 +50,7 @@ def test_batch_size_shrinks_on_oom_as_accelerate(kind):
     def trainer(who):
         def train(batch_size, scale):
             tried[who].append(batch_size)
-            if batch_size > 40:
+            if batch_size > 100:  # a few retries: each one runs a full gc.collect()
                 raise error
             return batch_size * scale
 
@@ -60,7 +60,7 @@ def test_batch_size_shrinks_on_oom_as_accelerate(kind):
     theirs = accelerate_find_batch_size(trainer("accelerate"), starting_batch_size=128)
     assert ours(2) == theirs(2) == tried["retarget"][-1] * 2
     assert tried["retarget"] == tried["accelerate"]
-    assert tried["retarget"][:3] == [128, 115, 103] and tried["retarget"][-1] <= 40
+    assert tried["retarget"] == [128, 115, 103, 92]  # x0.9 each time, as Accelerate
     assert ours(3) == tried["retarget"][-1] * 3  # the size found is kept: no retry
     assert len(tried["retarget"]) == len(tried["accelerate"]) + 1
 
