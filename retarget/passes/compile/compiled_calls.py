@@ -13,7 +13,11 @@ callable's cache entries and recompile limit its own: a region's graphs share on
 copy of `call_graph_forward`'s named after the region (`region_entry`), so what dynamo learns
 about input sizes stays within the region.
 A region no frontend captured compiles its eager form (the module's forward with every pass's
-module-level rewrite), once per region.
+module-level rewrite), once per region; but once per repeat when the call carries a stateful
+object (a KV cache). The block's own code then reads per-layer state (HF's `layer_idx` and the
+cache's layer it indexes), which dynamo guards as constants: one shared callable would
+recompile at every layer, and past dynamo's recompile limit (8) the remaining layers would run
+uncompiled without a word. A repeat's own callable compiles once and matches its own guards.
 
 Counting reads dynamo's own counters (`torch._dynamo.utils.counters`) around each compiled call:
 the graphs the backend was handed (`stats.unique_graphs`) and graph breaks (`graph_break`). A call
@@ -33,6 +37,7 @@ import itertools
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +52,7 @@ from retarget.core.capturing import capturing
 from retarget.core.errors import RegionCompileError, UncompiledRegionWarning
 from retarget.frontends import CapturedGraph, one_line
 from retarget.frontends.binding import CallForward, call_graph_forward
+from retarget.frontends.state_layout import is_state
 from retarget.passes.compile.flat_calls import FlatGraph
 
 _RUNNERS = itertools.count()
@@ -88,6 +94,9 @@ class CompileStats:
     compiles: int = 0
     """Graphs dynamo handed to the backend for this region (a graph break makes two)."""
     compiling_calls: int = 0
+    repeat_compiles: int = 0
+    """Compiling calls that were a repeat's first through its own callable (an eager form
+    whose calls carry a KV cache): compiles, not recompiles."""
     seconds: float = 0.0
     graph_breaks: int = 0
     break_reasons: list[str] = field(default_factory=list)
@@ -97,7 +106,7 @@ class CompileStats:
     @property
     def recompiles(self) -> int:
         """Calls that compiled again after the first (a new call signature or a guard miss)."""
-        return max(self.compiling_calls - 1, 0)
+        return max(self.compiling_calls - 1 - self.repeat_compiles, 0)
 
 
 class RegionCompiler:
@@ -109,6 +118,7 @@ class RegionCompiler:
         self.stats = CompileStats(form=form)
         self._graphs: dict[int, tuple[CapturedGraph, Callable[..., Any], CallForward]] = {}
         self._eager: Callable[..., Any] | None = None
+        self._eager_per_repeat: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._entry = region_entry(region_name)
 
     # -- CallRunner ------------------------------------------------------------------------
@@ -129,10 +139,17 @@ class RegionCompiler:
 
         if self._runs_plain():
             return plain()
-        if self._eager is None:
-            self._eager = self._compile(_call_eager)
-        compiled = self._eager
-        return self._counted(lambda: compiled(eager, args, kwargs), plain)
+        first = False
+        if _carries_state(args, kwargs):  # per-layer state: one callable per repeat (docstring)
+            compiled = self._eager_per_repeat.get(module)
+            if compiled is None:
+                compiled = self._eager_per_repeat[module] = self._compile(_call_eager)
+                first = bool(self.stats.compiling_calls)
+        else:
+            if self._eager is None:
+                self._eager = self._compile(_call_eager)
+            compiled = self._eager
+        return self._counted(lambda: compiled(eager, args, kwargs), plain, first)
 
     def summary(self) -> dict[str, Any]:
         """The report's entry for this region."""
@@ -143,7 +160,9 @@ class RegionCompiler:
             "dynamic": self.settings.dynamic,
             "fullgraph": self.settings.fullgraph,
             "form": s.form,
-            "compiled_callables": len(self._graphs) + (self._eager is not None),
+            "compiled_callables": (
+                len(self._graphs) + (self._eager is not None) + len(self._eager_per_repeat)
+            ),
             "compiles": s.compiles,
             "recompiles": s.recompiles,
             "graph_breaks": s.graph_breaks,
@@ -173,7 +192,11 @@ class RegionCompiler:
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(fn, **self.settings.torch_kwargs(), isolate_recompiles=True)
 
-    def _counted(self, compiled_call: Callable[[], Any], plain_call: Callable[[], Any]) -> Any:
+    def _counted(
+        self, compiled_call: Callable[[], Any], plain_call: Callable[[], Any], first: bool = False
+    ) -> Any:
+        """Run `compiled_call`, counting what dynamo compiled; `first`: a later repeat's own
+        callable is called for the first time (its compile is not a recompile)."""
         graphs = counters["stats"]["unique_graphs"]
         frames = counters["frames"]["total"]
         breaks = dict(counters["graph_break"])
@@ -192,6 +215,7 @@ class RegionCompiler:
             s = self.stats
             s.compiles += new_graphs
             s.compiling_calls += 1
+            s.repeat_compiles += first
             s.seconds += time.perf_counter() - start
             for reason, count in counters["graph_break"].items():
                 if count > breaks.get(reason, 0):
@@ -238,6 +262,11 @@ def _reason(exc: Exception) -> str:
     """One line; a backend's failure names what the backend raised."""
     inner = getattr(exc, "inner_exception", None)
     return one_line(exc) if inner is None else f"{one_line(exc)} {one_line(inner)}"
+
+
+def _carries_state(args: tuple, kwargs: dict) -> bool:
+    """Whether a call passes a stateful object (a KV cache) as one of its arguments."""
+    return any(is_state(value) for value in (*args, *kwargs.values()) if value is not None)
 
 
 def _call_eager(eager: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
