@@ -290,11 +290,6 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
     return mine, total
 
 
-def local_shapes(program: Program, plan: TpPlan) -> dict[int, tuple[int, ...]]:
-    """id(parameter) -> the shape one tp rank holds, for the parameters the plan splits."""
-    return {id(param): shape for param, shape, _ in _split_parameters(program, plan)}
-
-
 def fsdp_shapes(
     program: Program, plan: TpPlan, dp: int
 ) -> tuple[dict[int, tuple[int, ...]], set[int]]:
