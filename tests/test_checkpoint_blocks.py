@@ -396,21 +396,10 @@ def test_bad_options_are_refused(options, message):
 def test_checkpointed_block_with_a_kv_cache_updates_it_once(target: str) -> None:
     # HF decoders at their default config pass a cache even in training; the recompute must
     # see it as the forward did, and the cache must be updated once, as in eager.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from retarget.frontends.state_layout import layout
+    from tests.test_state import small_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    model, reference = small_llama(), small_llama()
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}

@@ -11,27 +11,14 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import retarget
 from retarget.core.errors import EagerRegionWarning
+from tests.test_state import small_llama
 from tests.zoo import ZOO, vector_inputs
 
 AOT = "compile[backend=aot_eager]"
 LAYERS = 10  # more than dynamo's recompile limit (8)
-
-
-def _llama(layers: int = LAYERS) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=layers,
-        vocab_size=128,
-    )
-    return LlamaForCausalLM(config)
 
 
 def _eager_form(target: str, layers: int = LAYERS):
@@ -42,7 +29,7 @@ def _eager_form(target: str, layers: int = LAYERS):
         # eager form, which compile then compiles.
         example = {"input_ids": ids, "labels": ids}
         compiled = retarget.compile_for(
-            _llama(layers), target, example_inputs=example, frontends=("fx",)
+            small_llama(layers), target, example_inputs=example, frontends=("fx",)
         )
     (region,) = compiled.program.regions
     assert region.eager_only and "fx:" in region.reason
@@ -56,7 +43,7 @@ def _summary(compiled) -> dict:
 
 def test_each_layer_compiles_once_and_none_runs_uncompiled():
     compiled, ids = _eager_form(AOT)
-    reference = _llama()
+    reference = small_llama(LAYERS)
     assert reference.config.use_cache
     for _ in range(2):
         out = compiled(input_ids=ids, labels=ids)
@@ -79,7 +66,7 @@ def test_generate_under_the_compiled_eager_form_gives_the_original_tokens():
     prompt = ids[:1, :4]
     with torch.no_grad():
         mine = compiled.generate(prompt, max_new_tokens=3, do_sample=False)
-        theirs = _llama(3).generate(prompt, max_new_tokens=3, do_sample=False)
+        theirs = small_llama(3).generate(prompt, max_new_tokens=3, do_sample=False)
     assert torch.equal(mine, theirs)
     summary = _summary(compiled)
     assert summary["compiled_callables"] == 3 and summary["fallback"] == ""

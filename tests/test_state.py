@@ -22,7 +22,8 @@ from retarget.ir.region import call_key
 from retarget.passes.capture.capture_regions import record_inputs
 
 
-def _llama(layers: int = 2) -> LlamaForCausalLM:
+def small_llama(layers: int = 2) -> LlamaForCausalLM:
+    """A Llama at its default config but for the sizes (use_cache on), weights from seed 0."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128,
@@ -71,7 +72,7 @@ def test_what_counts_as_state() -> None:
 
 
 def test_layout_and_rebuild_round_trip_keeping_aliases() -> None:
-    cache = _filled_cache(_llama())
+    cache = _filled_cache(small_llama())
     cache.alias = cache.layers[0]  # an object reached twice stays one object
     skeletons, tensors = layout([cache])
     assert len(tensors) == 4  # keys and values of two layers
@@ -83,9 +84,9 @@ def test_layout_and_rebuild_round_trip_keeping_aliases() -> None:
 
 
 def test_write_back_updates_in_place_and_keeps_identity() -> None:
-    cache = _filled_cache(_llama())
+    cache = _filled_cache(small_llama())
     layer0, layers = cache.layers[0], cache.layers
-    other = _filled_cache(_llama())
+    other = _filled_cache(small_llama())
     other.layers[0].keys = other.layers[0].keys + 1
     skeletons, tensors = layout([other])
     write_back([cache], skeletons, tensors)
@@ -95,7 +96,7 @@ def test_write_back_updates_in_place_and_keeps_identity() -> None:
 
 
 def test_narrow_keeps_one_layer_and_widen_writes_only_it_back() -> None:
-    cache = _filled_cache(_llama(layers=3))
+    cache = _filled_cache(small_llama(layers=3))
     small = narrow([cache], 2, 0)[0]
     assert small.layers[0] is not cache.layers[2]  # a copy ...
     assert small.layers[0].keys is cache.layers[2].keys  # ... sharing the tensors
@@ -109,7 +110,7 @@ def test_narrow_keeps_one_layer_and_widen_writes_only_it_back() -> None:
 
 
 def test_signature_is_structural_and_narrowed_per_layer() -> None:
-    model = _llama()
+    model = small_llama()
     cache, twin = _filled_cache(model), _filled_cache(model)
     assert describe_state(cache, 0) == describe_state(twin, 0)  # identity is not part of it
     assert describe_state(cache, 0) == describe_state(cache, 1)  # equal layers: one signature
@@ -119,7 +120,7 @@ def test_signature_is_structural_and_narrowed_per_layer() -> None:
 
 
 def test_copy_state_args_is_independent() -> None:
-    cache = _filled_cache(_llama())
+    cache = _filled_cache(small_llama())
     (copied,), _ = copy_state_args((cache,), {})
     assert copied is not cache and _same_state(copied, cache)
     copied.layers[0].keys.add_(1)
@@ -128,7 +129,7 @@ def test_copy_state_args_is_independent() -> None:
 
 @pytest.mark.parametrize("prefilled", [False, True], ids=["prefill", "decode"])
 def test_decoder_layer_with_cache_is_captured_and_updates_the_live_cache(prefilled) -> None:
-    model = _llama().eval()
+    model = small_llama().eval()
     layer = model.model.layers[0]
     cache = _filled_cache(model) if prefilled else None
     ids = _ids(seq=1 if prefilled else 8)
@@ -150,7 +151,7 @@ def test_decoder_layer_with_cache_is_captured_and_updates_the_live_cache(prefill
 
 
 def test_one_graph_serves_every_layer_index() -> None:
-    model = _llama(layers=3).eval()
+    model = small_llama(layers=3).eval()
     args, kwargs = _layer_inputs(model, "model.layers.0", _ids(seq=1), _filled_cache(model))
     graph = capture_call(model.model.layers[0], args, kwargs).graph
     layer2 = model.model.layers[2]
@@ -222,7 +223,7 @@ def test_default_config_models_are_captured_and_match_eager() -> None:
 
 
 def test_decode_steps_reuse_one_graph_with_symbolic_lengths() -> None:
-    model, reference = _llama().eval(), _llama().eval()
+    model, reference = small_llama().eval(), small_llama().eval()
     ids = _ids(batch=1, seq=5)
     compiled = compile_for(model, "single", example_inputs={"input_ids": ids})
     (region,) = compiled.program.regions
@@ -237,7 +238,7 @@ def test_decode_steps_reuse_one_graph_with_symbolic_lengths() -> None:
 
 
 def test_static_cache_decodes_with_one_graph() -> None:
-    model, reference = _llama().eval(), _llama().eval()
+    model, reference = small_llama().eval(), small_llama().eval()
     ids = _ids(batch=1, seq=5)
     compiled = compile_for(model, "single", example_inputs={"input_ids": ids})
     (region,) = compiled.program.regions
@@ -249,5 +250,5 @@ def test_static_cache_decodes_with_one_graph() -> None:
 
 def test_verify_compares_a_returned_cache_by_what_it_holds() -> None:
     ids = _ids()
-    compiled = compile_for(_llama(), "single", example_inputs={"input_ids": ids}, verify=True)
+    compiled = compile_for(small_llama(), "single", example_inputs={"input_ids": ids}, verify=True)
     assert all(not r.eager_only for r in compiled.program.regions)
