@@ -134,7 +134,8 @@ def _train_sharded(target, factory, batches, rank, world, **compile_kwargs):
     return model, max_difference(model, reference)
 
 
-def _local_per_unit(model):
+def local_per_unit(model) -> list[int]:
+    """Elements this rank holds in each FSDP unit of the plan, read from the live shards."""
     units = model.program.plan.fsdp.units
     counts = []
     for unit in units:
@@ -173,7 +174,7 @@ def _fsdp_ranks(rank, world):
     out["keys"] = list(model.state_dict()) == list(reference.state_dict())
     out["isinstance"] = isinstance(model, (type(reference), retarget.CompiledModule))
     out["per_rank"] = (
-        _local_per_unit(model),
+        local_per_unit(model),
         [u.per_rank[rank] for u in model.program.plan.fsdp.units],
     )
     unwrapped = model.unwrap()  # gathers the shards into the original model (a collective)

@@ -149,21 +149,12 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
 
 def _held_and_planned(compiled: Any, dp_rank: int) -> tuple[list[int], list[int]] | None:
     """Under fsdp: the elements this rank holds per FSDP unit, and what the plan says it holds."""
+    from tests.test_shard_fsdp import local_per_unit
+
     fsdp = compiled.program.plan.fsdp
     if fsdp is None:
         return None
-    inner = {
-        id(p) for u in fsdp.units if u.path for p in compiled.get_submodule(u.path).parameters()
-    }
-    held = []
-    for unit in fsdp.units:
-        params = (
-            compiled.get_submodule(unit.path).parameters()
-            if unit.path
-            else (p for p in compiled.parameters() if id(p) not in inner)
-        )
-        held.append(sum(p.to_local().numel() for p in params))
-    return held, [u.per_rank[dp_rank] for u in fsdp.units]
+    return local_per_unit(compiled), [u.per_rank[dp_rank] for u in fsdp.units]
 
 
 def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> dict[str, Any]:
