@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.memory_report import MemoryReport  # noqa: E402
 from tests.zoo import call, loss_of  # noqa: E402
 
 
@@ -57,3 +58,33 @@ def world_of_one(monkeypatch):
     ProcessState.reset()
     yield
     ProcessState.reset()
+
+
+_memory: MemoryReport | None = None
+
+
+def pytest_sessionstart(session):
+    global _memory
+    _memory = MemoryReport()
+
+
+def pytest_runtest_setup(item):
+    if _memory is not None:
+        _memory.enter(str(item.path))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _memory is None:
+        return
+    _memory.close()
+    if _memory.over_limits() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _memory is None:
+        return
+    for line in _memory.lines():
+        terminalreporter.write_line(line)
+    for line in _memory.over_limits():
+        terminalreporter.write_line(f"memory over its limit: {line}", red=True)

@@ -78,7 +78,7 @@ def test_inspect_shows_the_plan_for_a_stated_world_size(capsys):
     assert main([*argv, "--target", target, "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "distribution plan: tp over 4 processes; not applied: world size is 1" in out
-    assert "12,816 of 25,344 parameter elements per rank" in out
+    assert "9,744 of 25,344 parameter elements per rank" in out  # embed_in split too
     assert "gpt_neox.layers.0  8,544       2,280     27%" in out
     assert "repeat 1/2 (eager: tp: torch's parallel styles convert inputs and outputs" in out
 

@@ -28,7 +28,8 @@ import retarget
 from retarget.passes.shard.tp_derive import derive_tp_plan
 from retarget.passes.shard.tp_hand_plan import HF_STYLES
 from retarget.passes.shard.tp_params import is_linear_like
-from tests.tp_agreement_models import Unbuildable, build, tp_plan_model_types
+from tests import tp_agreement_models
+from tests.tp_agreement_models import NotShrunk, Unbuildable, build, tp_plan_model_types
 
 #: Model types that must build, capture and agree completely (no accepted difference at all).
 MUST_AGREE = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt_neox", "granite")
@@ -132,3 +133,14 @@ def test_every_config_class_with_a_plan_is_swept():
     types = tp_plan_model_types()
     assert set(MUST_AGREE) <= set(types)
     assert all(re.fullmatch(r"[a-z0-9_]+", t) for t in types) and len(types) >= 100
+
+
+def test_a_config_that_stays_large_fails_before_its_weights_exist(monkeypatch):
+    """GPT-J names its width n_embd (hidden_size is an alias): without the alias it kept 4096."""
+    sizes = {k: v for k, v in tp_agreement_models.SIZES.items() if k != "hidden_size"}
+    monkeypatch.setattr(tp_agreement_models, "SIZES", sizes)
+    with pytest.raises(NotShrunk, match=r"gptj: [\d,]+ parameters after shrinking"):
+        build("gptj")
+    monkeypatch.undo()
+    model, _ = build("gptj")
+    assert model.config.n_embd == 64

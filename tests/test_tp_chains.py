@@ -83,6 +83,46 @@ class Fused(nn.Module):
         return self.out(q * k + v)
 
 
+class GroupedHeads(nn.Module):
+    """CodeGen's layout: the features are `groups` blocks of `heads_per_group` heads, viewed as
+    [.., groups, width / groups], then [.., heads, head_dim]: the sharded groups dim merges with
+    the outer part of the next one."""
+
+    def __init__(self, groups: int = 4, heads_per_group: int = 2, head_dim: int = 8) -> None:
+        super().__init__()
+        self.groups, self.head_dim = groups, head_dim
+        width = groups * heads_per_group * head_dim
+        self.up, self.down = nn.Linear(16, width), nn.Linear(width, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        grouped = self.up(x).view(b, s, self.groups, -1)
+        heads = grouped.reshape(b, s, -1, self.head_dim)
+        return x + self.down(torch.relu(heads).reshape(b, s, -1))
+
+
+class MixedView(nn.Module):
+    """A view whose new dim is neither a multiple nor a divisor of the sharded one: 6 -> 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        mixed = self.up(x).view(x.shape[0], 6, 2).reshape(x.shape[0], 4, 3)
+        return self.down(mixed.reshape(x.shape[0], 12))
+
+
+def test_a_view_that_merges_the_sharded_dim_with_inner_sizes_keeps_the_chain():
+    (chain,) = _chains(GroupedHeads(), torch.randn(2, 5, 16)).chains
+    assert chain.complete and chain.colwise == ["up"] and chain.rowwise == ["down"]
+
+
+def test_a_view_that_mixes_ranks_elements_breaks_the_chain():
+    up = _chains(MixedView(), torch.randn(3, 8)).chains[0]
+    assert up.members == ["up"] and "the view to [3, 4, 3] mixes the sharded dim" in up.breaks[0]
+
+
 def test_a_slice_of_the_split_dim_breaks_and_the_reader_sees_whole_values():
     up, down = _chains(Sliced(), torch.randn(3, 8)).chains
     assert up.members == ["up"] and up.breaks == ["node slice_1: it slices the sharded dim"]

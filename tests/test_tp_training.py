@@ -267,7 +267,7 @@ def _check_steps(results: list[dict[str, Any]], world: int) -> None:
 
 
 def _tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
-    names = ["mlp", "llama", "qwen2", "qwen3", "neox", "gpt2", "bert"]
+    names = ["mlp", "llama", "qwen2", "qwen3", "neox", "codegen", "gpt2", "bert"]
     target = "tp[size=2,plan={plan}]"
     return {
         "step": _one_step(rank, world, target, names),

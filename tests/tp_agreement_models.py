@@ -26,6 +26,7 @@ SIZES: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 8,
     "max_position_embeddings": 64,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
@@ -39,8 +40,31 @@ SIZES: dict[str, Any] = {
 }
 
 
+#: A model past this after shrinking kept a size field SIZES does not name (GPT-J's default is
+#: 5.6e9 parameters: built whole, it took the test process past the machine's memory).
+MAX_PARAMETERS = 64_000_000
+
+
 class Unbuildable(Exception):
     """The model cannot be built small and run here; the message says why."""
+
+
+class NotShrunk(AssertionError):
+    """The config still builds a large model: a size field is missing from SIZES (a failure,
+    not a skip, so that a new transformers' field names are added rather than hidden)."""
+
+
+def _check_shrunk(auto: Any, config: Any, model_type: str) -> None:
+    """Build on the meta device (no memory) and refuse a model over MAX_PARAMETERS."""
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    if total > MAX_PARAMETERS:
+        name, largest = max(model.named_parameters(), key=lambda kv: kv[1].numel())
+        raise NotShrunk(
+            f"{model_type}: {total:,} parameters after shrinking (largest {name} "
+            f"{list(largest.shape)}): add its size field to SIZES"
+        )
 
 
 def tp_plan_model_types() -> list[str]:
@@ -71,8 +95,12 @@ def small_config(model_type: str):
 
 
 def _shrink(config: Any) -> None:
+    fields = config.to_dict()
+    aliases = getattr(type(config), "attribute_map", {})  # GPT-J's hidden_size is its n_embd
     for key, value in SIZES.items():
-        if key in config.to_dict() and isinstance(getattr(config, key, None), (int, type(None))):
+        if (key in fields or aliases.get(key) in fields) and isinstance(
+            getattr(config, key, None), (int, type(None))
+        ):
             setattr(config, key, value)
     if hasattr(config, "layer_types") and isinstance(config.layer_types, list):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
@@ -92,13 +120,16 @@ def build(model_type: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     towers = [n for n in ("vision_config", "audio_config") if getattr(config, n, None) is not None]
     if towers:  # default vision/audio towers take a minute or more to capture here
         raise Unbuildable(f"multimodal composite ({', '.join(towers)}): not built small here")
-    torch.manual_seed(0)
     model = None
     errors = []
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
+            _check_shrunk(auto, config, model_type)
+            torch.manual_seed(0)
             model = auto.from_config(config).train()
             break
+        except NotShrunk:
+            raise
         except Exception as exc:
             errors.append(f"{auto.__name__}: {_line(exc)}")
     if model is None:

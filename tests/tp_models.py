@@ -1,9 +1,10 @@
 """Small models and their tensor-parallel plans, for the tp tests.
 
 Plans are TpPlan records built here, from the model config's `base_model_tp_plan` where
-transformers ships one (Llama, Qwen2, Qwen3, GPT-NeoX) and written by hand for the others (GPT-2,
-BERT, an MLP), with the globs expanded over the model's own module names. A target names them
-as `tp[plan=tests.tp_models:NAME]` (a TpPlan instance is used as given, after checks).
+transformers ships one (Llama, Qwen2, Qwen3, GPT-NeoX, CodeGen) and written by hand for the
+others (GPT-2, BERT, an MLP), with the globs expanded over the model's own module names. A
+target names them as `tp[plan=tests.tp_models:NAME]` (a TpPlan instance is used as given,
+after checks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import nn
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
+    CodeGenConfig,
+    CodeGenForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -29,6 +32,7 @@ from transformers import (
 )
 
 from retarget.core.plans import TpPlan, TpRule
+from retarget.passes.shard import tp_hand_plan
 from tests import zoo
 
 HIDDEN, HEADS, LAYERS, INTER, VOCAB = 32, 4, 2, 64, zoo.VOCAB
@@ -83,6 +87,23 @@ def neox() -> nn.Module:
         max_position_embeddings=64,
     )
     return _dropout_off(GPTNeoXForCausalLM(config))
+
+
+def codegen() -> nn.Module:
+    """CodeGen: q|v|k fused in 4 groups (`mp_num`), each group's heads reshaped out of its
+    width ([.., 4, 3 * 16] -> q [.., 4, 16] -> [.., 8 heads, 8]), partial rotary (4 of 8)."""
+    torch.manual_seed(0)
+    config = CodeGenConfig(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=2 * HIDDEN,
+        n_layer=LAYERS,
+        n_head=2 * HEADS,
+        rotary_dim=4,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
+    return _dropout_off(CodeGenForCausalLM(config))
 
 
 def gpt2() -> nn.Module:
@@ -166,12 +187,12 @@ def plan_of(
 
 
 def hf_plan(model: nn.Module, size: int) -> TpPlan:
-    """The config's base_model_tp_plan, under the base model's attribute name (HF's name for
-    a replicated module whose gradient is all-reduced mapped to ours)."""
-    prefix = model.base_model_prefix + "."
-    names = {"replicated_with_grad_allreduce": "replicate_grad_allreduce"}
-    globs = {g: names.get(s, s) for g, s in model.config.base_model_tp_plan.items()}
-    return plan_of(model, size, expand(model, globs, prefix))
+    """The config's base_model_tp_plan under the base model's attribute name, its styles mapped
+    to ours as `tp[plan=hf]` maps them (HF's embedding_rowwise, packed_colwise, ...)."""
+    styles, fused = tp_hand_plan.expand(
+        model.config.base_model_tp_plan, model, model.base_model_prefix
+    )
+    return plan_of(model, size, styles, fused=fused)
 
 
 def gpt2_plan(model: nn.Module, size: int) -> TpPlan:
@@ -228,6 +249,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, int], TpPl
     "qwen2": (qwen2, hf_plan, "lm"),
     "qwen3": (qwen3, hf_plan, "lm"),
     "neox": (neox, hf_plan, "lm"),
+    "codegen": (codegen, hf_plan, "lm"),
     "gpt2": (gpt2, gpt2_plan, "lm"),
     "bert": (bert, bert_plan, "cls"),
 }

@@ -1,0 +1,110 @@
+"""Resident memory of the test run: the peak of each test file, and of the whole run, checked.
+
+A fresh machine's CI was killed by the kernel at 23.8 GB (a sweep that built 144 models in one
+process). This plugin makes the suite's memory a number CI prints and checks: before each test
+file the process's peak resident set (VmHWM) is reset (Linux: `clear_refs` with 5), and after the
+file its peak is read, so each file's figure is what that file needed with the suite's baseline
+under it, not what earlier files left. The end of the run prints the run's peak, its duration and
+the largest files, and fails the run when the peak or a file's peak passes its limit
+(`RETARGET_TEST_RSS_LIMIT_GB`, `RETARGET_TEST_FILE_RSS_LIMIT_GB`; 8 and 4 by default).
+Subprocesses (the ranks of distributed tests) are measured apart: the largest one is printed.
+
+Where /proc is missing (not Linux), nothing is measured and nothing is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+GIB = 1024**3
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        text = _STATUS.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _limit(name: str, default: float) -> float:
+    return float(os.environ.get(name, default)) * GIB
+
+
+class MemoryReport:
+    """Per-file peaks of this process's resident set over one pytest run."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.file: str | None = None
+        self.peaks: dict[str, int] = {}
+        #: Start-up and collection (importing every test module), read at the first test.
+        self.collection_peak: int | None = None
+        self.measured = _status_bytes("VmHWM") is not None
+
+    def enter(self, file: str) -> None:
+        if file == self.file:
+            return
+        if self.collection_peak is None and self.measured:
+            self.collection_peak = _status_bytes("VmHWM")
+            self.measured = _reset_peak()
+        self.close()
+        self.file = file
+        _reset_peak()
+
+    def close(self) -> None:
+        if self.file is not None and self.measured:
+            peak = _status_bytes("VmHWM") or 0
+            self.peaks[self.file] = max(peak, self.peaks.get(self.file, 0))
+        self.file = None
+
+    def run_peak(self) -> int:
+        return max([self.collection_peak or 0, *self.peaks.values()])
+
+    def lines(self, top: int = 5) -> list[str]:
+        minutes, seconds = divmod(time.monotonic() - self.started, 60)
+        if not self.measured:
+            return [f"test run: {int(minutes)}:{seconds:04.1f}; resident memory not measured here"]
+        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        largest = sorted(self.peaks.items(), key=lambda kv: -kv[1])[:top]
+        limit = _limit("RETARGET_TEST_RSS_LIMIT_GB", 8)
+        return [
+            f"test run: {int(minutes)}:{seconds:04.1f}, peak resident memory "
+            f"{self.run_peak() / GIB:.2f} GiB (limit {limit / GIB:g}),"
+            f" collection {(self.collection_peak or 0) / GIB:.2f} GiB, largest subprocess "
+            f"{children / GIB:.2f} GiB",
+            "largest test files (peak resident memory while each ran): "
+            + ", ".join(f"{Path(f).name} {b / GIB:.2f}" for f, b in largest),
+        ]
+
+    def over_limits(self) -> list[str]:
+        if not self.measured:
+            return []
+        run_limit = _limit("RETARGET_TEST_RSS_LIMIT_GB", 8)
+        file_limit = _limit("RETARGET_TEST_FILE_RSS_LIMIT_GB", 4)
+        over = [
+            f"{Path(f).name} peaked at {b / GIB:.2f} GiB (limit {file_limit / GIB:g} GiB)"
+            for f, b in self.peaks.items()
+            if b > file_limit
+        ]
+        if self.run_peak() > run_limit:
+            over.append(
+                f"the run peaked at {self.run_peak() / GIB:.2f} GiB (limit {run_limit / GIB:g})"
+            )
+        return over
