@@ -17,12 +17,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "bench_summary: reads the benchmarks' timings; runs under --benchmark-only"
     )
+    config.addinivalue_line(
+        "markers", "soak: a long-running reliability check, not a timing; runs by hand"
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-benchmark has added its skip markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("bench_summary") is None:
+        if item.get_closest_marker("bench_summary") is None and not item.get_closest_marker("soak"):
             continue
         item.own_markers = [
             mark

@@ -175,7 +175,7 @@ def retarget_arm(rank: int, world: int) -> dict[str, object]:
     from common import llama
 
     import retarget
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
 
     ProcessState.current()
     meter.end("imports")

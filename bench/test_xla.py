@@ -36,7 +36,7 @@ import pytest
 import torch
 from common import llama, source_revision, stepper, token_batch
 
-from retarget.kernels import xla
+from retarget.execution import xla_device as xla
 
 pytestmark = pytest.mark.skipif(not xla.available(), reason="torch_xla is not importable here")
 
@@ -56,7 +56,7 @@ def tiny_llama() -> torch.nn.Module:
 def measure(target: str, rounds: int, threads: int) -> dict:
     """In a fresh process: warm-up, then `rounds` interleaved eager / xla steps."""
     import retarget
-    from retarget.runtime.xla_placement import xla_steps
+    from retarget.execution.xla_placement import xla_steps
 
     torch.set_num_threads(threads)
     batch = token_batch(VOCAB, BATCH, SEQ)

@@ -1,13 +1,22 @@
 """retarget: compiler-style rewriting of PyTorch models for training targets.
 
-model = retarget.compile_for(model, target="single", example_inputs=batch)
-print(model.report)
+    model = retarget.compile_for(model, target="single", example_inputs=batch)
+    print(model.report)
+
+`__all__` is the compiler's API: `compile_for` and what it returns, the target language, the
+pass contract, and the errors and warnings a user of them meets. The Accelerate-compatible
+surface (`retarget.Accelerator`, its kwargs handlers and plugins, Accelerate's top-level utils)
+lives in `retarget.compat.accelerate` and is importable from here as well, under Accelerate's
+names (`from retarget import Accelerator`), imported on first use.
 """
 
 from retarget.core.errors import (
+    EagerRegionWarning,
     PassError,
     PassOrderError,
+    RegionCompileError,
     TargetNotSupportedError,
+    UncompiledRegionWarning,
     VerificationError,
 )
 from retarget.core.version import __version__
@@ -15,16 +24,23 @@ from retarget.core.world import launched_target
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.passes.base import Pass, PassResult
-from retarget.target.errors import ConfigError
-from retarget.target.grammar import Target, TargetError, parse_target
+from retarget.spec.errors import ConfigError
+from retarget.spec.grammar import Target, TargetError, parse_target
 
-#: Names imported on first use: the Accelerate-compatible front door pulls in the whole runtime,
-#: and reading Accelerate's config YAML needs PyYAML.
-_LAZY_NAMES = {
-    "target_from_yaml": "retarget.target.accelerate_yaml",
-    "Accelerator": "retarget.accelerate.accelerator",
-    "DistributedType": "retarget.accelerate.arguments",
-    "GeneralTracker": "retarget.accelerate.trackers",
+#: Compiler names that pull in heavier layers, imported on first use.
+_LAZY_COMPILER = {
+    "OptimizerNotPrepared": "retarget.execution.step_guard",
+    "XlaRecompileWarning": "retarget.execution.xla_placement",
+    "CheckpointError": "retarget.runtime.state.folder",
+}
+#: Accelerate's names, from their compat home (the front door pulls in the whole runtime, and
+#: reading Accelerate's config YAML needs PyYAML).
+_ACCELERATE = "retarget.compat.accelerate"
+_LAZY_ACCELERATE = {
+    "target_from_yaml": f"{_ACCELERATE}.config_yaml",
+    "Accelerator": f"{_ACCELERATE}.accelerator",
+    "DistributedType": f"{_ACCELERATE}.arguments",
+    "GeneralTracker": f"{_ACCELERATE}.trackers",
     **dict.fromkeys(
         (
             "AORecipeKwargs",
@@ -34,7 +50,7 @@ _LAZY_NAMES = {
             "MSAMPRecipeKwargs",
             "TERecipeKwargs",
         ),
-        "retarget.accelerate.precision_kwargs",
+        f"{_ACCELERATE}.precision_kwargs",
     ),
     **dict.fromkeys(
         (
@@ -43,17 +59,17 @@ _LAZY_NAMES = {
             "InitProcessGroupKwargs",
             "ProfileKwargs",
         ),
-        "retarget.accelerate.process_kwargs",
+        f"{_ACCELERATE}.process_kwargs",
     ),
-    "ProjectConfiguration": "retarget.accelerate.arguments",
-    "TorchDynamoPlugin": "retarget.accelerate.dynamo",
+    "ProjectConfiguration": f"{_ACCELERATE}.arguments",
+    "TorchDynamoPlugin": f"{_ACCELERATE}.dynamo",
     # accelerate's top level offers these utils too; scripts import them from either.
-    "find_executable_batch_size": "retarget.utils.memory",
-    "debug_launcher": "retarget.utils.launchers",
-    "notebook_launcher": "retarget.utils.launchers",
+    "find_executable_batch_size": f"{_ACCELERATE}.utils.memory",
+    "debug_launcher": f"{_ACCELERATE}.utils.launchers",
+    "notebook_launcher": f"{_ACCELERATE}.utils.launchers",
     "init_empty_weights": "retarget.bigmodel.empty_init",
     "init_on_device": "retarget.bigmodel.empty_init",
-    "infer_auto_device_map": "retarget.bigmodel.device_map",
+    "infer_auto_device_map": "retarget.passes.place.device_map",
     "load_checkpoint_in_model": "retarget.bigmodel.load_checkpoint",
     "load_checkpoint_and_dispatch": "retarget.bigmodel.dispatch_checkpoint",
     "watch_preemption": "retarget.runtime.preemption",
@@ -64,6 +80,7 @@ _LAZY_NAMES = {
     ),
     "DeviceMap": "retarget.core.placement",
 }
+_LAZY_NAMES = {**_LAZY_COMPILER, **_LAZY_ACCELERATE}
 
 
 def __getattr__(name: str):
@@ -74,20 +91,33 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'retarget' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_NAMES})
+
+
 __all__ = [
-    *_LAZY_NAMES,
+    # compiling
+    "compile_for",
     "CompiledModule",
-    "ConfigError",
+    "launched_target",
+    # the target language
+    "Target",
+    "parse_target",
+    # the pass contract
     "Pass",
+    "PassResult",
+    # errors and warnings
+    "CheckpointError",
+    "ConfigError",
+    "EagerRegionWarning",
+    "OptimizerNotPrepared",
     "PassError",
     "PassOrderError",
-    "PassResult",
-    "Target",
+    "RegionCompileError",
     "TargetError",
     "TargetNotSupportedError",
+    "UncompiledRegionWarning",
     "VerificationError",
+    "XlaRecompileWarning",
     "__version__",
-    "compile_for",
-    "launched_target",
-    "parse_target",
 ]

@@ -36,6 +36,17 @@ def assert_same_step(a: torch.nn.Module, b: torch.nn.Module, inputs, *, backward
         assert torch.equal(grads_a[name], grads_b[name]), f"grad of {name} differs"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures(
+    "one_thread")`): on a shared 2-core machine OpenMP threads spinning against each other make
+    them up to 100x slower than one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def fresh_rng():
     state = torch.random.get_rng_state()
@@ -51,7 +62,7 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RETARGET_TAR
 @pytest.fixture(autouse=True)
 def world_of_one(monkeypatch):
     """Every test starts and ends with no cached ProcessState and no launch environment."""
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
 
     for name in _LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -1,4 +1,5 @@
-"""Rank bodies for tests/test_fsdp_memory.py: the tensor storage alive on a rank under FSDP.
+"""Rank bodies for tests/execution/test_fsdp_memory.py: the tensor storage alive on a rank under
+FSDP.
 
 Only torch and retarget.models are imported at the top, so each spawned rank starts quickly.
 """
@@ -67,7 +68,7 @@ def memory_rank(rank: int, world: int, folder: str) -> dict[str, object]:
     """Per target: bytes alive after compile_for, after a step, after save_state + load_state;
     then whether unwrap(), unwrap_model and save_model give the trained weights bitwise."""
     import retarget
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
     from retarget.runtime.state.checkpoint import load_state, save_state
 
     ProcessState.current()
@@ -183,7 +184,7 @@ def sharding_rank(rank: int, world: int) -> dict[str, int]:
     import torch.distributed.fsdp as fsdp
 
     import retarget
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
 
     ProcessState.current()
     baseline = alive_storage_bytes()

@@ -52,7 +52,7 @@ def fsdp_rank(rank: int, world_size: int) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
 
     ProcessState.current()
     model, batch = model_and_batch()
@@ -67,7 +67,7 @@ def fsdp_rank(rank: int, world_size: int) -> dict[str, int]:
 def fsdp_bf16_ac_rank(rank: int, world_size: int) -> dict[str, object]:
     """One step under fsdp+bf16 and under fsdp+bf16+ac: are loss and full gradients equal?"""
     import retarget
-    from retarget.runtime.process import ProcessState
+    from retarget.execution.process import ProcessState
 
     ProcessState.current()
     steps = {}

@@ -234,7 +234,7 @@ def mlp_plan(model: nn.Module, size: int) -> TpPlan:
 def mlp_fused_head_plan(model: nn.Module, size: int) -> TpPlan:
     """mlp_plan with the head's 4 outputs split colwise_rep as 2 fused parts: an nn.Linear
     whose weight and bias both hold fused parts on dim 0 (FSDP2 under fsdp+tp shards the
-    weight on dim 1 and keeps the bias whole over dp: runtime/tp_fsdp.py)."""
+    weight on dim 1 and keeps the bias whole over dp: execution/tp_fsdp.py)."""
     styles = expand(
         model, {"blocks.*.0": "colwise", "blocks.*.2": "rowwise", "head": "colwise_rep"}
     )

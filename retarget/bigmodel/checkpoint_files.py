@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from retarget.spec.values import parse_dtype
+
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 _SAFETENSORS_DTYPES = {
@@ -84,16 +86,13 @@ class CheckpointFiles:
 
 def as_floating_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """`dtype` ("float16", "torch.bfloat16" or a torch.dtype) checked to be floating."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        parsed = dtype
-    else:
-        parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if dtype is not None and (not isinstance(parsed, torch.dtype) or not parsed.is_floating_point):
+    try:
+        return parse_dtype(dtype)
+    except ValueError:
         raise CheckpointError(
             f"dtype={dtype!r} cannot be used to cast weights: give a floating dtype "
             "(torch.float32, torch.float16, torch.bfloat16)"
-        )
-    return parsed
+        ) from None
 
 
 def find_checkpoint(checkpoint: str | Path) -> CheckpointFiles:

@@ -2,7 +2,7 @@
 
 A dispatched model runs on its execution device (`main_device`) while the weights of its
 offloaded modules live elsewhere: on the CPU (when the execution device is an accelerator) or
-in safetensors files on disk. Forward hooks (runtime/offload) bring a block's weights in just
+in safetensors files on disk. Forward hooks (execution/offload) bring a block's weights in just
 before it runs and drop them after; with `prefetch=k` the next k blocks' weights are read on a
 background thread while the current one computes. Modules mapped to another accelerator are
 moved there and get their inputs moved to them.
@@ -19,16 +19,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from retarget.bigmodel.device_map import no_split_paths, resolve_device_map
-from retarget.core.disk_weights import INDEX_NAME, DiskWeight, read_disk_index, write_disk_index
-from retarget.core.placement import CPU, DISK, PlacementError, device_for, normalize_device
+from retarget.core.disk_weights import INDEX_NAME, DiskWeight, read_disk_index
+from retarget.core.placement import CPU, DISK, PlacementError, normalize_device
 from retarget.core.slots import DISK_WEIGHTS, OFFLOAD
-from retarget.runtime.nested import send_to_device
-from retarget.runtime.offload.hooks import OffloadRuntime
-from retarget.runtime.offload.units import UnitPlanner
+from retarget.execution.nested import send_to_device
+from retarget.execution.offload.hooks import OffloadRuntime
+from retarget.execution.offload.placement import (
+    offload_entries,
+    under,
+    undispatch,
+    write_real_disk_tensors,
+)
+from retarget.execution.offload.units import UnitPlanner
+from retarget.passes.place.device_map import no_split_paths, resolve_device_map
 
 
 def dispatch_model(
@@ -68,50 +73,11 @@ def dispatch_model(
         records=records,
         offload_dir=offload_dir,
         offload_buffers=offload_buffers,
-        preload_module_classes=preload_module_classes,
+        blocks=no_split_paths(model, preload_module_classes),
         prefetch=prefetch,
     )
     model.hf_device_map = dict(entries)
     return model
-
-
-def offload_entries(
-    model: nn.Module,
-    entries: Mapping[str, str],
-    main: torch.device,
-    *,
-    records: Mapping[str, DiskWeight] | None = None,
-    offload_dir: str | Path | None = None,
-    offload_buffers: bool = False,
-    preload_module_classes: Sequence[str] | None = None,
-    prefetch: int = 0,
-    also: Sequence[nn.Module] = (),
-) -> OffloadRuntime:
-    """Place and hook `model` along checked `entries`; `also`: models sharing its tensors,
-    whose slots are swapped with `model`'s (a compiled model and the user's)."""
-    undispatch(model)
-    records = dict(records if records is not None else DISK_WEIGHTS.get(model, None) or {})
-    for other in also:
-        records |= DISK_WEIGHTS.get(other, None) or {}
-    offloaded = [
-        (k, d) for k, d in entries.items() if d == DISK or (d == CPU and main.type != "cpu")
-    ]
-    to_disk = [k for k, d in offloaded if d == DISK]
-    records |= _write_real_disk_tensors(model, to_disk, records, offload_dir)
-    for key, device in entries.items():
-        if device not in (CPU, DISK) or main.type == "cpu" and device == CPU:
-            _move(model, key, torch.device(device))
-    _refuse_meta_left(model, entries, offloaded, records)
-    blocks = no_split_paths(model, preload_module_classes)
-    planner = UnitPlanner(model, records, offload_buffers, blocks, also=tuple(also))
-    runtime = OffloadRuntime(planner.plan(offloaded), main, prefetch).attach().watch_calls(model)
-    for key, device in entries.items():
-        if device not in (CPU, DISK) and torch.device(device) != main:
-            runtime.align_inputs(model.get_submodule(key), torch.device(device))
-    if len(set(entries.values())) > 1 and main.type != "cpu":
-        runtime.align_inputs(model, main)
-    OFFLOAD.set(model, runtime)
-    return runtime
 
 
 def cpu_offload(
@@ -148,7 +114,7 @@ def disk_offload(
     undispatch(model)
     folder = Path(offload_dir)
     records = read_disk_index(folder) if (folder / INDEX_NAME).is_file() else {}
-    records |= _write_real_disk_tensors(model, [""], records, folder)
+    records |= write_real_disk_tensors(model, [""], records, folder)
     blocks = no_split_paths(model, preload_module_classes)
     planner = UnitPlanner(model, records, offload_buffers, blocks)
     units = planner.plan([("", DISK)])
@@ -199,14 +165,6 @@ def cpu_offload_with_hook(
     return model, UserCpuOffloadHook(model, main, prev_module_hook)
 
 
-def undispatch(model: nn.Module) -> None:
-    """Take a previous dispatch's hooks off `model` (its offloaded tensors stay on meta)."""
-    runtime = OFFLOAD.get(model, None)
-    if runtime is not None:
-        runtime.remove()
-        OFFLOAD.pop(model)
-
-
 def _default_execution(device) -> torch.device:
     if device is not None:
         return torch.device(normalize_device(device))
@@ -229,41 +187,10 @@ def _disk_records(model, offload_dir, offload_index) -> dict[str, DiskWeight]:
     return records
 
 
-def _write_real_disk_tensors(model, keys, records, folder) -> dict[str, DiskWeight]:
-    """Write each real (not meta) tensor under a "disk" key to `folder`; their records."""
-    written: dict[str, DiskWeight] = {}
-    names = [
-        n
-        for n, t in model.state_dict(keep_vars=True).items()
-        if _under(n, keys) and not t.is_meta and n not in records
-    ]
-    if not names:
-        return written
-    if folder is None:
-        raise PlacementError(
-            f"{names[0]} is mapped to disk and holds real weights: give offload_dir (a folder "
-            "to write them to) or load the checkpoint with offload_folder"
-        )
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict(keep_vars=True)
-    first: dict[int, DiskWeight] = {}  # a tied tensor is written once, under its first name
-    for name in names:
-        tensor = state[name]
-        if id(tensor) not in first:
-            path = folder / f"{name}.safetensors"
-            save_file({name: tensor.detach().to("cpu").contiguous()}, path)
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            first[id(tensor)] = DiskWeight(str(path.resolve()), name, dtype, tuple(tensor.shape))
-        written[name] = first[id(tensor)]
-    write_disk_index(folder, records | written)
-    return written
-
-
 def _use_state_dict(model, state_dict, keys) -> None:
     """Set the tensors under `keys` from `state_dict` (kept as they are, on the CPU)."""
     for name, value in state_dict.items():
-        if not _under(name, keys):
+        if not under(name, keys):
             continue
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -274,43 +201,3 @@ def _use_state_dict(model, state_dict, keys) -> None:
         value = value.detach().to("cpu")
         is_param = isinstance(old, nn.Parameter)
         table[leaf] = nn.Parameter(value, old.requires_grad) if is_param else value
-
-
-def _move(model: nn.Module, key: str, device: torch.device) -> None:
-    owner, _, leaf = key.rpartition(".")
-    modules = dict(model.named_modules())
-    if key in modules:
-        module = modules[key]
-        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-            module.to(device)
-        return
-    holder = model.get_submodule(owner)
-    table = holder._parameters if leaf in holder._parameters else holder._buffers
-    if table[leaf] is not None and not table[leaf].is_meta:
-        table[leaf].data = table[leaf].data.to(device)
-
-
-def _refuse_meta_left(model: nn.Module, entries, offloaded, records) -> None:
-    """Refuse a tensor that would stay on meta: kept resident, never loaded, no disk record."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        names.setdefault(id(tensor), []).append(name)
-    away = {k for k, _ in offloaded}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        aliases = names[id(tensor)]
-        if not tensor.is_meta or any(a in records for a in aliases):
-            continue
-        if all(device_for(entries, a) == DISK or _under(a, away) for a in aliases):
-            continue  # the planner reports it, naming the unit
-        raise PlacementError(
-            f"{name} is on the meta device and the device map keeps it on "
-            f"{device_for(entries, name)}: it was never loaded (load the checkpoint first, "
-            "load_checkpoint_in_model) and has no disk record to bring it in from"
-        )
-
-
-def _under(name: str, keys) -> bool:
-    return any(k == "" or name == k or name.startswith(k + ".") for k in keys)

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from retarget.bigmodel.checkpoint_files import as_floating_dtype
-from retarget.bigmodel.device_map import resolve_device_map
 from retarget.bigmodel.dispatch import dispatch_model
 from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
+from retarget.passes.place.device_map import resolve_device_map
 
 
 def load_checkpoint_and_dispatch(

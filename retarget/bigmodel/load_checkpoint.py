@@ -33,10 +33,10 @@ from retarget.bigmodel.checkpoint_files import (
     find_checkpoint,
     tensor_reader,
 )
-from retarget.bigmodel.device_map import resolve_device_map
 from retarget.core.disk_weights import DiskWeight, write_disk_index
 from retarget.core.placement import CPU, DISK, device_for
 from retarget.core.slots import DISK_WEIGHTS, LOAD_FAILED
+from retarget.passes.place.device_map import resolve_device_map
 
 
 @dataclass

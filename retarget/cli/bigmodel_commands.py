@@ -10,10 +10,10 @@ import json
 
 from torch import nn
 
-from retarget.bigmodel.device_map import MODES, infer_auto_device_map
 from retarget.bigmodel.empty_init import init_empty_weights
 from retarget.cli.commands import CliError, Handler, command, load_callable, write_output
 from retarget.core.placement import PlacementError
+from retarget.passes.place.device_map import MODES, infer_auto_device_map
 
 
 @command("device-map", "plan where each module of a model goes under memory budgets")

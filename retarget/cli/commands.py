@@ -21,7 +21,7 @@ from typing import Any
 
 from retarget.core.errors import PassError, TargetNotSupportedError
 from retarget.report import render
-from retarget.target.grammar import Target, TargetError, parse_target
+from retarget.spec.grammar import Target, TargetError, parse_target
 
 Handler = Callable[[argparse.Namespace], int]
 Registrar = Callable[[argparse.ArgumentParser], Handler]

@@ -20,7 +20,7 @@ import torch
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.models import synthetic_batch, tiny_lm
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 #: Distinct batches the demo cycles through.
 POOL = 4

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from retarget.accelerate.accelerator import Accelerator
+from retarget.compat.accelerate.accelerator import Accelerator
 
 
 def _gather(value: object, world: int) -> list[object]:

@@ -7,8 +7,8 @@ re-parent modules freely, optimizers built on either tree update the same weight
 weights stay tied because a tensor shared in the original is shared in the copy.
 
 Behaviour is added with dynamic subclasses (as FSDP2's `fully_shard` does): an instance of
-`LlamaDecoderLayer` becomes a `RegionLlamaDecoderLayer(RegionModule, LlamaDecoderLayer)`, so
-`isinstance` checks, attributes and state_dict keys are exactly the original's.
+`LlamaDecoderLayer` becomes a `RetargetedLlamaDecoderLayer(RetargetedModule, LlamaDecoderLayer)`,
+so `isinstance` checks, attributes and state_dict keys are exactly the original's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
+#: A subclass with_mixin made -> the class it was made from.
+_BASES: dict[type, type] = {}
 
 
 def structural_copy(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
@@ -47,8 +49,20 @@ def with_mixin(module: nn.Module, mixin: type) -> nn.Module:
     if key not in _SUBCLASSES:
         name = f"{mixin.__name__.removesuffix('Module')}{cls.__name__}"
         _SUBCLASSES[key] = type(name, (mixin, cls), {"__module__": cls.__module__})
+        _BASES[_SUBCLASSES[key]] = cls
     module.__class__ = _SUBCLASSES[key]
     return module
+
+
+def base_class(module: nn.Module) -> type:
+    """The class `module` had before with_mixin re-classed it (its own class if it never was).
+
+    Unlike `original_class`, a class that only marks itself a mixin (an FP8 Linear, which
+    reports show as the user's Linear) is kept: it is what runs."""
+    cls = type(module)
+    while cls in _BASES:
+        cls = _BASES[cls]
+    return cls
 
 
 def original_class(module: nn.Module) -> type:

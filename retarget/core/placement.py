@@ -2,7 +2,7 @@
 
 The format is Accelerate's: a dict from module path ("" is the whole model) to "cuda:N", "cpu"
 or "disk". `plan_placement` is the pure planner (ordered units with their sizes in, a map out);
-`retarget.bigmodel.device_map` feeds it from a model, and passes and the runtime read the
+`retarget.passes.place.device_map` feeds it from a model, and passes and the runtime read the
 result, so it sits low enough for all of them.
 
 Rules the planner keeps:
@@ -16,24 +16,13 @@ Rules the planner keeps:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+from retarget.spec.values import parse_size
+
 DISK = "disk"
 CPU = "cpu"
 
@@ -44,18 +33,10 @@ class PlacementError(ValueError):
 
 def parse_bytes(size: int | str, *, what: str = "size") -> int:
     """Bytes in `size`: an int, or "70MB" (powers of 10) / "2GiB" (powers of 2)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        if size < 0:
-            raise PlacementError(f"{what}={size!r} is negative")
-        return size
-    match = _SIZE.fullmatch(str(size))
-    unit = (match.group(2) or "B") if match else ""
-    if not match or unit.upper() not in _UNITS or unit[-1] == "b":
-        raise PlacementError(
-            f"{what}={size!r} is not a size: use an int (bytes) or a string such as '70MB', "
-            "'10GB' (powers of 10) or '2GiB' (powers of 2); a lowercase 'b' (bits) is not accepted"
-        )
-    return int(float(match.group(1)) * _UNITS[unit.upper()])
+    try:
+        return parse_size(size, what=what)
+    except ValueError as error:
+        raise PlacementError(str(error)) from None
 
 
 def normalize_device(device: int | str | torch.device) -> str:

@@ -1,18 +1,18 @@
 """Plan records: what the passes decide and the runtime applies, as frozen typed values.
 
 Passes run before (and without) a process group. What needs one is recorded on `program.plan`
-and realised later by `retarget.runtime.apply_plan` (DDP, FSDP2, comm hooks), the Runtime (loss
+and realised later by `retarget.execution.apply_plan` (DDP, FSDP2, comm hooks), the Runtime (loss
 scaler, ZeroRedundancyOptimizer) and the optimizer guard; the report prints the same records.
 
     field         record          written by               read by
     ddp           DdpPlan         shard_ddp                apply_plan, report
     zero1         Zero1Plan       shard_optimizer_state    Runtime.prepare, optimizer guard
     fsdp          FsdpPlan        shard_fsdp               apply_plan, memory estimate, report
-    comm_hook     CommHookPlan    comm_hook                apply_plan (runtime.comm_hooks)
+    comm_hook     CommHookPlan    comm_hook                apply_plan (execution.comm_hooks)
     loss_scaler   LossScalerPlan  insert_autocast (fp16)   Runtime (runtime.scaler)
     fp8           Fp8Plan         swap_fp8 (msamp)         the user (MS-AMP's optimizer)
-    stream        StreamPlan      plan_stream              driver (bigmodel.stream_weights), report
-    tp            TpPlan          shard_tp                 apply_plan (runtime.apply_tp), report
+    stream        StreamPlan      plan_stream              apply_stream (execution.stream), report
+    tp            TpPlan          shard_tp                 apply_plan (execution.apply_tp), report
     applied       AppliedPlan     apply_plan               Runtime, optimizer guard, report
 
 Each record is frozen: a pass replaces a field, nobody edits a record in place. `to_dict()`
@@ -174,8 +174,9 @@ class Fp8Plan:
 class StreamPlan:
     """Inference with weights off the execution device (`stream[...]`).
 
-    The pass records the request; `device_map` is filled when it is applied (the blocks sized
-    against the budget), together with how many tensors went where.
+    The pass sizes the blocks against the budget and records the `device_map` (module path ->
+    execution device or `source`), the execution device and the blocks that are never split;
+    applying it fills in where the tensors went (`folder`, `units`, `offloaded_bytes`).
     """
 
     source: str
@@ -184,6 +185,10 @@ class StreamPlan:
     max_memory: int | float | None
     """Bytes of resident weights, a share of the model's, or None (free memory)."""
     device_map: Mapping[str, str] = field(default_factory=dict)
+    main_device: str = "cpu"
+    """The device every block runs on."""
+    blocks: tuple[str, ...] = ()
+    """Module paths whose weights come in together (find_blocks' repeats)."""
     folder: str = ""
     offloaded_bytes: int = 0
     units: int = 0

@@ -8,23 +8,22 @@ model keeps its keys, children and hooks; and every such value is listed here wi
     slot           holds                                            written by
     PROGRAM        the compiled model's Program                     driver.compile
     RUNTIME        its Runtime, made on first use                   driver.compiled
-    OUTER_FORWARD  the call the compiled forward goes through (DDP) runtime.apply_plan
-                   (tp loss_parallel: torch's loss_parallel())     runtime.apply_tp
-    APPLIED        what apply_plan applied (runtime.apply_plan.Applied)  runtime.apply_plan
-    STEP_GUARD     the optimizer StepGuard                          runtime.optimizers
-    REGION         the Region a block repeat belongs to             passes.capture.capture_regions
-    PATH           that repeat's path in the model                  passes.capture.capture_regions
+    OUTER_FORWARD  the call the compiled forward goes through (DDP) execution.apply_plan
+                   (tp loss_parallel: torch's loss_parallel())     execution.apply_tp
+    APPLIED        what apply_plan applied (an Applied record)      execution.apply_plan
+    STEP_GUARD     the optimizer StepGuard                          execution.step_guard
+    RECORD         how its calls run: one frozen ModuleRecord       capture_regions,
+                   (region, path, autocast, checkpoint;             insert_autocast,
+                   core.module_record)                              checkpoint_blocks
     BINDINGS       per graph, the graph-private values bound to it  ir.region
     BLOCK_WALK     a repeat's modules, for its call signature/hooks  ir.call_key
     LAST_CALL      a repeat's last call signature and its graph     ir.region (ir.call_key)
-    CHECKPOINT     how a repeat is checkpointed                     passes.memory.checkpoint_blocks
-    AUTOCAST       a glue module's autocast policy                  passes.precision.insert_autocast
     AUTOCAST_EVAL  whether an FP8 module runs FP8 in eval mode      kernels.fp8.backends
     TE_RECIPE      a Transformer Engine module's recipe             kernels.fp8.backends
     DISK_WEIGHTS   per tensor name, the file/key it is mapped from  bigmodel.load_checkpoint
     LOAD_FAILED    why a checkpoint load left the model unusable    bigmodel.load_checkpoint
     OFFLOAD        the offload hooks of a dispatched model          bigmodel.dispatch
-    XLA_STEPS      the step counter of a model on XLA devices      runtime.xla_placement
+    XLA_STEPS      the step counter of a model on XLA devices      execution.xla_placement
 """
 
 from __future__ import annotations
@@ -64,13 +63,10 @@ RUNTIME: Slot[Any] = Slot("runtime")
 OUTER_FORWARD: Slot[Any] = Slot("outer_forward")
 APPLIED: Slot[Any] = Slot("applied")
 STEP_GUARD: Slot[Any] = Slot("step_guard")
-REGION: Slot[Any] = Slot("region")
-PATH: Slot[str] = Slot("path")
+RECORD: Slot[Any] = Slot("record")
 BINDINGS: Slot[dict] = Slot("bindings")
 BLOCK_WALK: Slot[Any] = Slot("block_walk")
 LAST_CALL: Slot[tuple] = Slot("last_call")
-CHECKPOINT: Slot[Any] = Slot("checkpoint")
-AUTOCAST: Slot[Any] = Slot("autocast")
 AUTOCAST_EVAL: Slot[bool] = Slot("autocast_eval")
 TE_RECIPE: Slot[Any] = Slot("te_recipe")
 DISK_WEIGHTS: Slot[dict] = Slot("disk_weights")

@@ -1,7 +1,7 @@
 """Which dim of which parameter a tensor-parallel style splits, per kind of module.
 
 The one table both the plan (passes/shard/shard_tp: per-rank counts, divisibility checks) and
-the runtime (runtime/apply_tp: the DTensor placements) read, so the two cannot disagree.
+the runtime (execution/apply_tp: the DTensor placements) read, so the two cannot disagree.
 
 Kinds of module a style can split:
 - linear: nn.Linear, weight [out, in] (and subclasses with that layout);

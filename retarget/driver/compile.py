@@ -8,7 +8,6 @@ from typing import IO, Any
 
 from torch import nn
 
-from retarget.bigmodel.stream_weights import stream_weights
 from retarget.core.errors import EagerRegionWarning, TargetNotSupportedError
 from retarget.core.modules import released, structural_copy, with_mixin
 from retarget.core.slots import OFFLOAD, PROGRAM
@@ -18,10 +17,8 @@ from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.manager import PassManager
 from retarget.passes.pipeline import build_pipeline
-from retarget.runtime.apply_plan import apply_plan
-from retarget.runtime.xla_placement import apply_xla
-from retarget.target.grammar import Target, TargetError, parse_target
-from retarget.target.strategies import STRATEGIES
+from retarget.spec.grammar import Target, TargetError, parse_target
+from retarget.spec.strategies import STRATEGIES
 
 
 def compile_for(
@@ -88,14 +85,9 @@ def compile_for(
     )
     PROGRAM.set(root, program)
     with users_hooks_set_aside(model, root):  # compile_for's probes are not the user's calls
-        manager.run(program)
+        manager.run(program)  # the whole pipeline: analyses, rewrites and plans, appliers
     warn_eager_regions(program)
-    # After every pass: DDP/FSDP2 take the modules and parameters as the passes left them.
-    apply_plan(program)
-    # xla: the model on the XLA device(s), laid out as planned, a step boundary per call.
-    apply_xla(program)
-    # stream: the blocks that do not fit leave both models after every other decision.
-    stream_weights(program)
+    note_lonely_processes(program)
     return root
 
 
@@ -142,6 +134,19 @@ def warn_eager_regions(program: Program) -> None:
         EagerRegionWarning,
         stacklevel=3,
     )
+
+
+def note_lonely_processes(program: Program) -> None:
+    """A target with nothing to distribute in a run of several processes (world_size given, so
+    not refused): the report says each process trains alone."""
+    world = launch_environment().world_size
+    plan = program.plan
+    if world > 1 and plan.distribution is None and plan.tp is None:
+        program.notes.append(
+            f"target '{program.target}' has no distribution part but this run has {world} "
+            "processes: each one trains its own copy, gradients are not synchronised (add ddp "
+            "or fsdp to the target)"
+        )
 
 
 def _resolve_target(target: str | Target | None, world_size: int | None) -> Target:

@@ -17,7 +17,7 @@ from torch import nn
 from retarget.core.capturing import capturing
 from retarget.core.modules import sync_weights_into
 from retarget.core.slots import OUTER_FORWARD, PROGRAM, RUNTIME
-from retarget.ir.region import RegionModule
+from retarget.execution.module_call import RetargetedModule
 
 if TYPE_CHECKING:
     from retarget.ir.program import PassRecord, Program
@@ -25,14 +25,15 @@ if TYPE_CHECKING:
     from retarget.runtime.runtime import Runtime
 
 
-class CompiledModule(RegionModule):
+class CompiledModule(RetargetedModule):
     """Mixin of the module returned by `retarget.compile_for`."""
 
     _retarget_mixin = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # A wrapper the runtime installed (DDP, retarget.runtime.apply_plan) runs the call and sets
-        # itself aside while it runs this forward again; a capture traces the model's own code.
+        # A wrapper apply_plan installed (DDP, tp's loss_parallel) runs the call; it reaches the
+        # model's recorded call through module_call.own_forward, not through here again. A
+        # capture traces the model's own code.
         outer = OUTER_FORWARD.get(self)
         if outer is not None and not capturing():
             return outer(*args, **kwargs)

@@ -12,6 +12,8 @@ argument values, train/eval flags, grad and autocast mode); `retarget.ir.region`
 signature and re-captures on a new one. Graph code reads parameters through `self.<path>` at
 every call (see `binding.py`), so one graph serves every repeat of a block and always sees the
 live weights.
+
+Layer: above core and spec (and models); below ir and kernels, which it does not import.
 """
 
 from __future__ import annotations

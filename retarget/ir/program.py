@@ -24,7 +24,7 @@ from torch import nn
 from retarget.core.plans import Plan
 from retarget.core.world import World
 from retarget.ir.region import Region
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 ROOT = "<model>"
 
@@ -93,18 +93,35 @@ class PassRecord:
 
 @dataclass
 class Program:
+    """What flows through the pipeline: the model being rewritten and everything decided on it.
+
+    compile_for makes one per compile; every pass reads and writes it, the appliers carry out
+    its `plan`, and the CompiledModule keeps it (`compiled.program`) for the report and the
+    runtime.
+    """
+
     module: nn.Module
+    """The structural copy being rewritten (it becomes the CompiledModule)."""
     original: nn.Module
+    """The user's model, never edited (under FSDP its replaced parameters are emptied)."""
     target: Target
     example: ExampleInputs | None
+    """How the model is called on the example inputs (None: regions captured at first call)."""
     capture: str = "regions"
     tree: nx.DiGraph = field(default_factory=nx.DiGraph)
+    """The module tree (find_blocks): path -> class, parameter counts, fingerprint."""
     blocks: list[BlockGroup] = field(default_factory=list)
+    """Groups of structurally equal modules, the repeats (find_blocks)."""
     regions: list[Region] = field(default_factory=list)
+    """The capture units and their graphs (capture_regions)."""
     world: World = field(default_factory=World.resolve)
+    """The processes the plan is made for, resolved once."""
     analysis: Analysis = field(default_factory=Analysis)
+    """Shapes and FLOPs, fp8 decisions, the activation profile, the checkpoint plan."""
     plan: Plan = field(default_factory=Plan)
+    """The frozen records of what needs a process group or a device (core/plans.py)."""
     history: list[PassRecord] = field(default_factory=list)
+    """One record per pass run: seconds, changed, stats, notes, the graphs after it."""
     notes: list[str] = field(default_factory=list)
 
     def submodule(self, path: str) -> nn.Module:

@@ -1,12 +1,13 @@
 """Regions: module paths that share one captured graph per call signature.
 
 A `Region` is a distinct block type (say every `LlamaDecoderLayer` under `model.layers`) or the
-whole model. Each repeat's module is re-classed as a `RegionModule`, whose forward asks the
-region for the graph that matches the call's signature, capturing on a miss (so a last batch of
-another size costs one more capture, not a wrong answer), and runs it against the repeat's own
-live parameters. Passes rewrite a region's graphs through `add_transform`, which also replays the
-rewrite on every later capture. The signature and its cache (a repeat's module walk, its last
-call's quick signature and graph) live in `ir/call_key.py`.
+whole model. Each repeat's record names its region (core/module_record.py), and the repeat's forward
+(execution/module_call.py) calls `Region.call`, which asks for the graph that matches the call's
+signature, capturing on a miss (so a last batch of another size costs one more capture, not a wrong
+answer), and runs it against the repeat's own live parameters. Passes rewrite a region's graphs
+through `add_transform`, which also replays the rewrite on every later capture. The signature and
+its cache (a repeat's module walk, its last call's quick signature and graph) live in
+`ir/call_key.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import fx, nn
 
 from retarget.core.capturing import capturing_originals
 from retarget.core.errors import EagerRegionWarning, PassError
-from retarget.core.slots import BINDINGS, PATH, REGION
+from retarget.core.module_record import record_of, records_replaced
+from retarget.core.slots import BINDINGS
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
 from retarget.frontends.check import check_against_eager
 from retarget.ir.call_key import (
@@ -141,7 +143,7 @@ class Region:
 
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = call_key(module, args, kwargs)
-        return key if self.shared else (PATH.get(module), key)
+        return key if self.shared else (record_of(module).path, key)
 
     def graph_for(self, module: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph | None:
         """The graph for this call, capturing it on first sight; None means run eager."""
@@ -277,25 +279,24 @@ def _mismatch_only(failures: list[tuple[str, str]]) -> bool:
 
 @contextlib.contextmanager
 def running_eagerly(modules: tuple[nn.Module, ...]) -> Iterator[None]:
-    """Let region modules run their original forward (while they are being traced).
+    """Let region modules run their original forward (while they are being traced): their
+    records name no region meanwhile.
 
     A module that checkpoints itself inside its own forward (transformers' decoder layers from
     5.24 on wrap `forward`, where earlier versions wrapped `__call__`) has that switched off
-    for the trace: the graph records the plain computation, and the wrapper around the region
-    module's forward still checkpoints the graph's run, as it checkpointed the eager forward.
+    for the trace: the graph records the plain computation, and the checkpoint around the region
+    module's call still checkpoints the graph's run, as it checkpointed the eager forward.
     """
-    parked = [(m, REGION.pop(m)) for m in modules]
+    regional = tuple(m for m in modules if record_of(m).region is not None)
     self_checkpointing = [m for m in modules if getattr(m, "gradient_checkpointing", False) is True]
     for module in self_checkpointing:
         module.gradient_checkpointing = False
     try:
-        yield
+        with records_replaced(regional, region=None):
+            yield
     finally:
         for module in self_checkpointing:
             module.gradient_checkpointing = True
-        for module, region in parked:
-            if region is not None:
-                REGION.set(module, region)
 
 
 def _own_saved_tensors() -> contextlib.AbstractContextManager:
@@ -322,15 +323,3 @@ def _apply(pass_name: str, transform: GraphTransform, graph: CapturedGraph) -> N
         graph.gm.recompile()
     except Exception as exc:
         raise PassError(pass_name, [], f"graph rewrite failed: {exc}") from exc
-
-
-class RegionModule(nn.Module):
-    """Mixin for a module whose forward runs its region's captured graph."""
-
-    _retarget_mixin = True
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        region = REGION.get(self)
-        if region is None:
-            return super().forward(*args, **kwargs)
-        return region.call(self, args, kwargs, super().forward)

@@ -7,7 +7,7 @@
 Distribution and precision flags are read as the Accelerate config keys they stand for
 (--multi_gpu is `distributed_type: MULTI_GPU`, --fsdp_X is `fsdp_config.fsdp_X`, --zero_stage is
 `deepspeed_config.zero_stage`, --fp8_X is `fp8_config.X`) through the same tables as a YAML file
-(target/accelerate_sections.py), so a flag and its key mean one thing and are refused for one
+(compat/accelerate/config_sections.py), so a flag and its key mean one thing and are refused for one
 reason. With a distribution flag the flags are the target (not with --target); precision flags
 alone replace the precision parts of the target in effect. torchrun's flags pass through;
 -m/--module and --no_python change how a rank starts. Flags that cannot be honoured (TPU,
@@ -27,13 +27,13 @@ from typing import Any
 
 import yaml
 
+from retarget.compat.accelerate.config_sections import read_target_sections
 from retarget.core.world import ACCUMULATION_ENV
 from retarget.launch.config import LaunchError
-from retarget.target.accelerate_sections import read_target_sections
-from retarget.target.errors import TargetError
-from retarget.target.grammar import Target
-from retarget.target.parallelism import SIZES, UNSUPPORTED
-from retarget.target.precisions import PRECISION_PART_NAMES
+from retarget.spec.errors import TargetError
+from retarget.spec.grammar import Target
+from retarget.spec.parallelism import SIZES, UNSUPPORTED
+from retarget.spec.precisions import PRECISION_PART_NAMES
 
 __all__ = ["AccelerateFlags", "add_accelerate_arguments", "with_precision_flags"]
 

@@ -14,7 +14,7 @@ Our config file is a small YAML mapping; every key is optional and unknown keys 
     rdzv_backend: static       # torchrun rendezvous: static (master address) or c10d
 
 A file with `distributed_type` or `compute_environment` (and no `target`) is an Accelerate config
-and is read by `retarget.target.accelerate_yaml`, so existing `accelerate config` files keep
+and is read by `retarget.compat.accelerate.config_yaml`, so existing `accelerate config` files keep
 working.
 
 Where the file is: `--config_file F`, else `$RETARGET_CONFIG`, else
@@ -35,10 +35,11 @@ from typing import Any
 
 import yaml
 
-from retarget.target.accelerate_yaml import read_accelerate_config
-from retarget.target.errors import ConfigError
-from retarget.target.grammar import Target, TargetError, parse_target
-from retarget.target.precisions import MIXED_PRECISION, precision_of, with_precision
+from retarget.compat.accelerate.config_yaml import read_accelerate_config
+from retarget.spec.errors import ConfigError
+from retarget.spec.grammar import Target, TargetError, parse_target
+from retarget.spec.precisions import MIXED_PRECISION, precision_of, with_precision
+from retarget.spec.values import parse_bool
 
 __all__ = [
     "CONFIG_ENV",
@@ -139,12 +140,10 @@ def _choice(words: tuple[str, ...]) -> Callable[[str, Any], str]:
 
 
 def _boolean(where: str, raw: Any) -> bool:
-    words = {"true": True, "yes": True, "false": False, "no": False}
-    if isinstance(raw, bool):
-        return raw
-    if isinstance(raw, str) and raw.strip().lower() in words:
-        return words[raw.strip().lower()]
-    raise LaunchError(f"{where}: expected true or false, got {raw!r}")
+    try:
+        return parse_bool(raw, what=where)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
 
 
 def _text(where: str, raw: Any) -> str:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.version import __version__
 from retarget.core.world import TARGET_ENV
-from retarget.kernels import xla
+from retarget.execution import xla_device as xla
 from retarget.launch.config import (
     CONFIG_ENV,
     LaunchError,

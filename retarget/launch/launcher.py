@@ -55,8 +55,8 @@ from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.launch.slurm import slurm_settings
-from retarget.target.grammar import Target
-from retarget.target.precisions import with_precision
+from retarget.spec.grammar import Target
+from retarget.spec.precisions import with_precision
 
 __all__ = ["LaunchPlan", "rank_command", "resolve", "run", "torchrun_args"]
 

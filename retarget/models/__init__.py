@@ -1,4 +1,8 @@
-"""Built-in models: a tiny Llama-style LM for the demo, the smoke test and the benchmarks."""
+"""Built-in models: a tiny Llama-style LM for the demo, the smoke test, the benchmarks and the
+README's command-line examples (`example_inputs`).
+
+Layer: the lowest; torch only, it imports nothing from retarget, so it stays loadable alone.
+"""
 
 from retarget.models.tiny_llama import (
     MLP,
@@ -7,6 +11,7 @@ from retarget.models.tiny_llama import (
     RMSNorm,
     TinyConfig,
     TinyLM,
+    example_inputs,
     synthetic_batch,
     tiny_lm,
 )
@@ -18,6 +23,7 @@ __all__ = [
     "RMSNorm",
     "TinyConfig",
     "TinyLM",
+    "example_inputs",
     "synthetic_batch",
     "tiny_lm",
 ]

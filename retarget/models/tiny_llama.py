@@ -209,3 +209,9 @@ def synthetic_batch(
         raise ValueError(f"seq={seq} exceeds max_seq={config.max_seq}")
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def example_inputs() -> dict[str, torch.Tensor]:
+    """A seeded batch for the default TinyLM: what the README's command-line examples pass
+    (`retarget inspect retarget.models:tiny_lm --inputs retarget.models:example_inputs`)."""
+    return synthetic_batch(TinyConfig(), generator=torch.Generator().manual_seed(0))

@@ -1,15 +1,18 @@
 """The pass contract.
 
-A pass declares what it is (`name`, one-line `summary`), what must hold before it runs
-(`requires`: facts an earlier pass `provides`, or an earlier pass's name), what it makes hold
-(`provides`: tokens of passes/facts.py, checked after it runs), which passes it must follow when
-they are present (`after`), how it may change numbers (`numerics`), and its options as a frozen
-keyword-only dataclass. The third line of a pass's module docstring repeats these, machine-read
-by tests/test_pass_contracts.py, which keeps the two equal ("-" is none; the line may wrap onto
+A pass declares what it is (`name`, one-line `summary`), what must hold before it runs (`requires`:
+facts an earlier pass `provides`, or an earlier pass's name), what it makes hold (`provides`: tokens
+of passes/facts.py, checked after it runs), which passes it must follow when they are present
+(`after`), how it may change numbers (`numerics`), and its options as a frozen keyword-only
+dataclass. The third line of a pass's module docstring repeats these, machine-read by
+tests/passes/test_pass_contracts.py, which keeps the two equal ("-" is none; the line may wrap onto
 lines starting "    | "):
 
     Contract: requires regions | provides ddp | after checkpoint_blocks | numerics exact
         | options DdpOptions
+
+An applier (`applies = True`, passes/apply/) decides nothing: it carries out what the passes
+recorded, through the execution layer, as one of the pipeline's last stages.
 
 `stage(target, capture)` builds the passes a target asks for; `run(program)` returns a
 `PassResult`; a pass with nothing to do returns `changed=False` and touches nothing. Unsupported
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from retarget.ir.program import Program
-    from retarget.target.grammar import Target
+    from retarget.spec.grammar import Target
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class Pass:
     after: ClassVar[tuple[str, ...]] = ()
     numerics: ClassVar[Numerics] = EXACT
     Options: ClassVar[type] = NoOptions
+    applies: ClassVar[bool] = False
+    """An applier (passes/apply/): carries out recorded decisions on the process group or the
+    devices. The manager records it but does not re-check the model after it."""
 
     def __init__(self, options: Any = None):
         self.options = self.Options() if options is None else options

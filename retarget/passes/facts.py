@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from retarget.core.module_record import record_of
+from retarget.execution.checkpoint import NONE
+from retarget.execution.module_call import RetargetedModule
 from retarget.ir.program import Program
-from retarget.ir.region import RegionModule
-from retarget.passes.memory.activation_profile import NONE
-from retarget.passes.memory.checkpoint_blocks import CheckpointedModule
 
 Fact = Callable[[Program], bool]
 
@@ -30,9 +30,10 @@ def blocks_in_tree(p: Program) -> bool:
 
 
 def regions_installed(p: Program) -> bool:
-    """regions exist (unless capture is eager) and every repeat of each is a RegionModule"""
+    """regions exist (unless capture is eager) and every repeat of each runs its region's
+    calls (a RetargetedModule whose record names the region)"""
     return (p.capture == "eager" or bool(p.regions)) and all(
-        isinstance(p.submodule(path), RegionModule) for r in p.regions for path in r.paths
+        _runs(p.submodule(path), "region", r) for r in p.regions for path in r.paths
     )
 
 
@@ -57,9 +58,14 @@ def fp8_decided(p: Program) -> bool:
 def checkpoints_installed(p: Program) -> bool:
     """every repeat the checkpoint plan gives a policy runs under a checkpoint"""
     plan = (p.analysis.checkpoint or {}).get("plan", {})
-    return all(
-        isinstance(p.submodule(q), CheckpointedModule) for q, how in plan.items() if how != NONE
-    )
+    return all(_runs(p.submodule(q), "checkpoint", None) for q, how in plan.items() if how != NONE)
+
+
+def _runs(module, field: str, expected) -> bool:
+    """`module` is a RetargetedModule whose record's `field` is `expected` (None: any value)."""
+    value = getattr(record_of(module), field)
+    found = value is expected if expected is not None else value is not None
+    return isinstance(module, RetargetedModule) and found
 
 
 def ddp_planned(p: Program) -> bool:
@@ -95,8 +101,13 @@ def regions_compiled(p: Program) -> bool:
     return bool(covered) and all(r.runner is not None for r in covered)
 
 
+def plan_applied(p: Program) -> bool:
+    """a distribution plan (ddp, fsdp, tp) has its applied record: applied, or why not"""
+    return (p.plan.distribution is None and p.plan.tp is None) or p.plan.applied is not None
+
+
 def stream_planned(p: Program) -> bool:
-    """plan.stream holds what the driver offloads after the plan is applied"""
+    """plan.stream holds the device map apply_stream offloads along"""
     return p.plan.stream is not None
 
 
@@ -109,6 +120,7 @@ def xla_planned(p: Program) -> bool:
 
 #: provides token -> the predicate that must hold once a pass providing it has run.
 FACTS: dict[str, Fact] = {
+    "applied": plan_applied,
     "tree": module_tree_built,
     "blocks": blocks_in_tree,
     "regions": regions_installed,

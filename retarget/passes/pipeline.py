@@ -1,10 +1,12 @@
 """Target -> pass list. One line per stage, in the order they run, with why it sits there.
 
-This list IS the order. Every stage is a pass class whose `stage(target, capture)` builds the
-passes that realise the target parts the line names ([] when the target has none of them). The
-PassManager runs them exactly as listed and refuses (check_order) a list that breaks a pass's
-declared `requires` or `after`, so each reason below is also a declaration it enforces. A
-target part that no stage realises is refused (TargetNotSupportedError), never silently ignored.
+This list IS the order, and the whole pipeline: the analyses, the rewrites and plans, then the
+appliers that carry the plans out (passes/apply/); compile_for runs nothing else. Every stage is a
+pass class whose `stage(target, capture)` builds the passes that realise the target parts the line
+names ([] when the target has none of them). The PassManager runs them exactly as listed and refuses
+(check_order) a list that breaks a pass's declared `requires` or `after`, so each reason below is
+also a declaration it enforces. A target part that no stage realises is refused
+(TargetNotSupportedError), never silently ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.analysis.annotate_shapes import AnnotateShapes
 from retarget.passes.analysis.find_blocks import FindBlocks
+from retarget.passes.apply.apply_plan import APPLIED_PARTS, ApplyPlan
+from retarget.passes.apply.apply_stream import ApplyStream
+from retarget.passes.apply.apply_xla import ApplyXla
 from retarget.passes.base import Pass
 from retarget.passes.capture.capture_regions import CaptureOptions, CaptureRegions
 from retarget.passes.comm.install_comm_hook import InstallCommHook
@@ -25,8 +30,8 @@ from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
 from retarget.passes.shard.shard_tp import ShardTp
 from retarget.passes.shard.zero1 import ShardOptimizerState
-from retarget.target.grammar import Target
-from retarget.target.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
+from retarget.spec.grammar import Target
+from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 
 #: (target parts the stage realises, the pass class that builds it), in run order.
 STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
@@ -70,9 +75,19 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # the rewrites, which it moves as they left the model; XLA compiles the whole step itself,
     # so no graph rewrite follows (the target admits only bf16 beside it).
     (frozenset({"xla"}), PlaceXla),
-    # stream: inference with weights brought in per block. Last: the weights it moves are the
-    # final ones every rewrite left (the target refuses it next to training strategies).
+    # stream: inference with weights brought in per block. Last of the decisions: the weights
+    # it moves are the final ones every rewrite left (the target refuses it next to training
+    # strategies).
     (frozenset({"stream"}), PlanStream),
+    # -- appliers (passes/apply/): carry out what the passes above recorded, decide nothing --
+    # DDP, FSDP2, tp on the process group, and the optimizer step guard. After every decision:
+    # DDP and fully_shard take the modules and parameters as the passes left them.
+    (APPLIED_PARTS, ApplyPlan),
+    # xla: the model moved to the XLA device(s) and laid out as planned, a step boundary per
+    # call. After the rewrites it moves (xla admits no strategy beside it).
+    (frozenset({"xla"}), ApplyXla),
+    # stream: the blocks that do not fit leave both models, after every other decision.
+    (frozenset({"stream"}), ApplyStream),
 )
 
 #: Parts no pass realises because there is nothing to do: one process, nothing to distribute.

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from retarget.core.plans import XlaPlan
+from retarget.execution import xla_device as xla
+from retarget.execution.xla_placement import xla_steps
 from retarget.ir.program import Program
-from retarget.kernels import xla
-from retarget.runtime.xla_placement import xla_steps
 
 
 def xla_parameters(program: Program, plan: XlaPlan) -> list[dict[str, Any]]:

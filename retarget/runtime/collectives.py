@@ -29,15 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from retarget.runtime.data.sharded_loader import active_loader
-from retarget.runtime.nested import (
+from retarget.execution.nested import (
     map_leaves,
     map_structure,
     map_tensors,
     replace_tensors,
     tensor_leaves,
 )
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
+from retarget.runtime.data.sharded_loader import active_loader
 
 #: dtypes gloo carries as they are (measured); any other travels as its raw bytes, which is
 #: exact for gather and broadcast. Reductions need arithmetic, so they refuse the others.

@@ -54,15 +54,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from retarget.runtime.apply_plan import Applied, applied_of
-from retarget.runtime.optimizers import (
-    ScaledOptimizer,
-    StepGuard,
-    guard_of,
-    remap_parameters,
-    zero_redundancy,
-)
-from retarget.runtime.process import ProcessState, ProcessStateFacade
+from retarget.execution.apply_plan import Applied, applied_of
+from retarget.execution.process import ProcessState, ProcessStateFacade
+from retarget.execution.step_guard import StepGuard, guard_of
+from retarget.execution.xla_placement import xla_steps
+from retarget.runtime.data.xla_feed import feed_for
+from retarget.runtime.optimizers import ScaledOptimizer, remap_parameters, zero_redundancy
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.runtime.step import (
     HeldGradients,
@@ -73,7 +70,6 @@ from retarget.runtime.step import (
     scale_gradients,
     window_for,
 )
-from retarget.runtime.xla_placement import xla_feed, xla_steps
 
 
 class Runtime(ProcessStateFacade):
@@ -125,7 +121,7 @@ class Runtime(ProcessStateFacade):
             # Under tp the loader divides over the dp ranks; the seed is agreed by every process.
             view = self.applied.data_state()
             sharded = data.shard_dataloader(loader, view, agree=self.state, **options)
-        sharded.feed = xla_feed(self.program.target)
+        sharded.feed = feed_for(self.program.target)
         return sharded
 
     def gather(self, data: Any) -> Any:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from retarget.runtime.apply_plan import Applied
+from retarget.execution.apply_plan import Applied
 
 
 @dataclass

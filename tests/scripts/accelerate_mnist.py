@@ -1,11 +1,11 @@
 """MNIST in the shape of Accelerate's mnist_example, with `from retarget import Accelerator`.
 
-Run by tests/test_accelerator.py under `retarget launch --num_processes 2`. The only line that
-differs from the Accelerate version is the import. Synthetic MNIST-shaped data replaces
-torchvision's (no downloads in tests); the eval set (250 images) does not split evenly over
-2 processes x 32, so gather_for_metrics must drop the wrap-around padding. It prints exact
-(repr) numbers so that accelerate_mnist_compile_for.py, the same training written with
-compile_for and its runtime, can be compared with it number for number.
+Run by tests/compat/accelerate/test_accelerator.py under `retarget launch --num_processes 2`. The
+only line that differs from the Accelerate version is the import. Synthetic MNIST-shaped data
+replaces torchvision's (no downloads in tests); the eval set (250 images) does not split evenly over
+2 processes x 32, so gather_for_metrics must drop the wrap-around padding. It prints exact (repr)
+numbers so that accelerate_mnist_compile_for.py, the same training written with compile_for and its
+runtime, can be compared with it number for number.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """accelerate_mnist.py written with compile_for and the compiled model's runtime, no Accelerator.
 
-tests/test_accelerator.py runs both under `retarget launch --num_processes 2` and compares their
-printed numbers: the facade must add nothing to what compile_for and the runtime do.
+tests/compat/accelerate/test_accelerator.py runs both under `retarget launch --num_processes 2` and
+compares their printed numbers: the facade must add nothing to what compile_for and the runtime do.
 """
 
 import argparse
@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 import retarget
+from retarget.compat.accelerate.data_order import AccelerateDraws
 from retarget.core.world import launched_target
 
 
@@ -64,11 +65,11 @@ def main():
     with run.main_process_first():
         train_dataset = synthetic_mnist(512, seed=1)
         test_dataset = synthetic_mnist(250, seed=2)
-    # order="accelerate": shuffled and drawn from the RNG as the Accelerator's prepare does
+    # AccelerateDraws: shuffled and drawn from the RNG as the Accelerator's prepare does
     train = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True)
-    train_loader = run.shard(train, order="accelerate")
+    train_loader = run.shard(train, order=AccelerateDraws)
     test = DataLoader(test_dataset, batch_size=args.batch_size)
-    test_loader = run.shard(test, order="accelerate")
+    test_loader = run.shard(test, order=AccelerateDraws)
 
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)

@@ -6,8 +6,8 @@ sequences whose label is learnable (does token 7 occur more often than token 9?)
 accumulation through `accumulate()`, clip_grad_norm_ on synchronising steps, a linear warmup
 scheduler, and `save_state` every `--checkpointing_steps` micro-batches; `--resume_from_checkpoint`
 continues a run from such a folder, skipping the batches it had already trained on. Losses are
-printed exactly (repr), so tests/test_accelerator.py can check that a resumed run continues the
-uninterrupted one number for number.
+printed exactly (repr), so tests/compat/accelerate/test_accelerator.py can check that a resumed
+run continues the uninterrupted one number for number.
 """
 
 import argparse

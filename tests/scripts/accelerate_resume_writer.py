@@ -1,8 +1,8 @@
 """Train a small model with the real accelerate.Accelerator (CPU, seed fixed; 1 process, or N
 under torchrun: DDP over gloo): save_state after `--save-at` steps into `--checkpoint`, go on
 to `--steps`, and write each process's final state to `--final` (`{rank}` in it is replaced).
-tests/test_accelerate_checkpoints.py continues the checkpoint under retarget and compares with
-those final weights. The model, data and loop are in
+tests/compat/accelerate/test_accelerate_checkpoints.py continues the checkpoint under retarget
+and compares with those final weights. The model, data and loop are in
 accelerate_resume_run.py, shared with the retarget side."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A small classifier on synthetic data. The main process "downloads" the dataset f
 cache file) and the others read it; every epoch logs accuracy, train loss (a tensor) and the
 epoch to the trackers in `log_with="all"` (TensorBoard and JSON lines here); a function
 decorated with on_main_process writes a summary once; split_between_processes gives each
-process its share of a list. tests/test_accelerator.py reads the event files back.
+process its share of a list. tests/compat/accelerate/test_accelerator.py reads the event files back.
 """
 
 import argparse

@@ -1,5 +1,6 @@
-"""Launched by tests/test_launch_flags.py: prints what retarget.Accelerator() decided, one JSON
-line per rank: the target and the accumulation steps it read from the launch (nothing in code)."""
+"""Launched by tests/launch/test_launch_flags.py: prints what retarget.Accelerator() decided,
+one JSON line per rank: the target and the accumulation steps it read from the launch (nothing in
+code)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Launched by tests/test_faults.py: train under the launched target, checkpoint every EVERY
+"""Launched by tests/launch/test_faults.py: train under the launched target, checkpoint every EVERY
 steps, resume from the newest intact checkpoint after a restart.
 
     elastic_train.py OUT STEPS EVERY KILL_AT
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 import retarget
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 from retarget.runtime.state.checkpoint import ProjectConfig, resume_from_latest, save_state
 from retarget.runtime.state.save_model import get_state_dict
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch.py: rank 1 raises while rank 0 waits in an all_reduce.
+"""Launched by tests/launch/test_launch.py: rank 1 raises while rank 0 waits in an all_reduce.
 
 Rank 0 then behaves like a rank that does not notice its peer is gone (it catches the broken
 collective and sleeps): only the launcher stopping the other ranks can end the run.
@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 
 state = ProcessState.current()
 if state.rank == 1:

@@ -1,11 +1,11 @@
 """MNIST training in the shape of Accelerate's tutorial: a small CNN, AdamW, two epochs.
 
-mnist_tutorial_accelerate.py is the Accelerate version (kept as text, not run: accelerate is
-not a dependency); mnist_tutorial.py is the same script for retarget, run by tests/test_launch.py
-under `retarget launch --num_processes 2`, which also checks that the two differ in at most 4
-lines. Synthetic MNIST-shaped data stands in for torchvision's (no downloads in tests); the eval
-set (250 images) does not split evenly over 2 ranks x 32, so gather_for_metrics must drop the
-padding. Imports are not re-sorted, so that the versions differ only where they must.
+mnist_tutorial_accelerate.py is the Accelerate version (kept as text, not run: accelerate is not a
+dependency); mnist_tutorial.py is the same script for retarget, run by tests/launch/test_launch.py
+under `retarget launch --num_processes 2`, which also checks that the two differ in at most 4 lines.
+Synthetic MNIST-shaped data stands in for torchvision's (no downloads in tests); the eval set (250
+images) does not split evenly over 2 ranks x 32, so gather_for_metrics must drop the padding.
+Imports are not re-sorted, so that the versions differ only where they must.
 """
 # ruff: noqa: I001
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch.py: prints, as one JSON line per rank, what the rank sees.
+"""Launched by tests/launch/test_launch.py: prints, as one JSON line per rank, what the rank sees.
 
 python print_rank.py [--exit CODE] [anything else is echoed back untouched]
 """
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from retarget.core.world import launched_target
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 
 state = ProcessState.current()
 total = torch.tensor([float(state.rank)])

@@ -35,7 +35,7 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program, describe_tensor
 from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 #: Module types whose FLOPs and shapes are reported one by one.
 COUNTED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)

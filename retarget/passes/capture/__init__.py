@@ -1,0 +1,2 @@
+"""capture_regions: one graph per distinct block type, captured through the frontends and
+checked against eager, reused for every repeat."""

@@ -24,15 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from retarget.core.modules import original_class, with_mixin
-from retarget.core.slots import PATH, REGION
+from retarget.core.module_record import update_record
+from retarget.core.modules import original_class
+from retarget.execution.module_call import retarget_module
 from retarget.frontends import FRONTENDS
 from retarget.frontends.check import preserved_state
 from retarget.frontends.state import copy_state_args
 from retarget.ir.program import ROOT, Program
-from retarget.ir.region import Region, RegionModule, running_eagerly
+from retarget.ir.region import Region, running_eagerly
 from retarget.passes.base import Pass, PassResult
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 MODES = ("regions", "whole", "eager")
 
@@ -106,14 +107,12 @@ class CaptureRegions(Pass):
     def _install(self, program: Program, regions: list[Region]) -> None:
         for region in regions:
             for path in region.paths:
-                module = with_mixin(program.submodule(path), RegionModule)
-                REGION.set(module, region)
-                PATH.set(module, path)
+                retarget_module(program.submodule(path), region=region, path=path)
 
     def _uninstall(self, program: Program, regions: list[Region]) -> None:
         for region in regions:
             for path in region.paths:
-                REGION.pop(program.submodule(path))
+                update_record(program.submodule(path), region=None)
 
     def _capture(self, program: Program, region: Region, inputs: dict, notes: list[str]) -> None:
         first = region.paths[0]

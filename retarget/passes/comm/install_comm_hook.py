@@ -4,7 +4,7 @@ Contract: requires ddp | provides comm_hook | after - | numerics approx(rtol=0.0
     | options CommHookOptions
 
 - fp16-comm / bf16-comm: each bucket is cast to 16 bits, divided by the world size and
-  all-reduced, halving the bytes on the wire (`runtime.comm_hooks.cast_compress_hook`);
+  all-reduced, halving the bytes on the wire (`execution.comm_hooks.cast_compress_hook`);
   gradients come back rounded to 16 bits, so training is close to, not equal to, float32 all-reduce.
 - powersgd[rank=,start_iter=,min_compression_rate=,error_feedback=,warm_start=,wrapper=]:
   torch's PowerSGD low-rank compression after `start_iter` plain all-reduce steps; `wrapper`
@@ -24,7 +24,7 @@ from typing import Any
 from retarget.core.plans import CommHookPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 HOOK_PARTS = ("fp16-comm", "bf16-comm", "powersgd")
 _CAST = {"fp16-comm": "float16", "bf16-comm": "bfloat16"}
@@ -51,7 +51,7 @@ class CommHookOptions:
             )
 
     def plan(self) -> CommHookPlan:
-        """program.plan.comm_hook: what `runtime.comm_hooks.build_hook` builds."""
+        """program.plan.comm_hook: what `execution.comm_hooks.build_hook` builds."""
         if self.part in _CAST:
             return CommHookPlan(part=self.part, kind="cast", dtype=_CAST[self.part])
         return CommHookPlan(part=self.part, kind="powersgd", powersgd=dict(self.powersgd))

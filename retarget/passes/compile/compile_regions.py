@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
+from retarget.execution.compiled_calls import CompileOptions, RegionCompiler
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.passes.compile.compiled_calls import CompileOptions, RegionCompiler
-from retarget.target.grammar import Target
-from retarget.target.strategies import STRATEGY
+from retarget.spec.grammar import Target
+from retarget.spec.strategies import STRATEGY
 
 #: The modes that run CUDA graphs: refused for a model not on CUDA.
 CUDA_GRAPH_MODES = ("reduce-overhead",)
@@ -63,9 +63,9 @@ class CompileRegions(Pass):
     # Compile what the blocks finally compute: casts, fp8 modules and checkpoint wrappers are in
     # place (torchtitan's order: ac, then compile, then shard; shard_* declare after this pass).
     after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
-    # aot_eager runs the graph's own aten ops: bitwise on the float32 zoo, gradients within a
-    # bf16 ulp under bf16 with dropout (tests/test_compile_regions.py); inductor fuses kernels
-    # and reorders floating point sums.
+    # aot_eager runs the graph's own aten ops: bitwise on the float32 zoo, gradients within a bf16
+    # ulp under bf16 with dropout (tests/passes/compile/test_compile_regions.py); inductor fuses
+    # kernels and reorders floating point sums.
     numerics = Numerics("approx", rtol=1e-4, atol=1e-5)
     Options = CompileOptions
 

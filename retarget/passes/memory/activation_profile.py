@@ -29,12 +29,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
+from retarget.execution.checkpoint import FULL, NONE, SELECTIVE
+from retarget.execution.recompute_rules import is_saved
 from retarget.frontends.check import preserved_state
 from retarget.passes.memory.measure import StorageTracker, tensor_storages, tensors_in
-from retarget.passes.memory.recompute_rules import is_saved
 
-NONE, SELECTIVE, FULL = "none", "selective", "full"
-POLICIES = (NONE, SELECTIVE, FULL)
 GLUE = "glue"
 
 

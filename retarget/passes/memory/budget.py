@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from retarget.passes.memory.activation_profile import FULL, POLICIES, ActivationProfile
+from retarget.execution.checkpoint import FULL, POLICIES
+from retarget.passes.memory.activation_profile import ActivationProfile
 
 #: Memory units the budget is cut into.
 RESOLUTION = 512

@@ -17,10 +17,10 @@ Policies (`ac[...]` options):
   the model keeps without checkpointing or a size; budget.py picks none / selective / full per
   repeat at the least recompute cost. Needs example inputs (the profile below).
 
-One form for graphs and eager code. The checkpoint wraps each chosen repeat's *call*: the repeat
-is re-classed as `Checkpointed<Block>` (a dynamic subclass, so state_dict keys and isinstance
-stay the user's) whose forward calls checkpoint around the region's own forward, which runs the
-captured graph or, for a region no frontend captured, the eager forward. The selective policy is
+One form for graphs and eager code. The checkpoint wraps each chosen repeat's *call*: the pass
+records a `BlockCheckpoint` in the repeat's record, and its forward (execution/checkpoint.py,
+through the one RetargetedModule class) calls checkpoint around the region's call, which runs
+the captured graph or, for a region no frontend captured, the eager forward. The selective policy is
 decided at the dispatcher on aten ops, so it is the same op-level policy in both cases; the one
 graph rewrite (selective only) routes kept calls through `run_kept`, which is the plain call
 outside a selective checkpoint and while dynamo traces. Checkpointing is skipped when grad is off
@@ -43,40 +43,21 @@ the notes, the stats and `program.analysis` (`.activation_profile`, `.checkpoint
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import noop_context_fn
-
-from retarget.core.capturing import capturing
-from retarget.core.modules import with_mixin
-from retarget.core.slots import CHECKPOINT, REGION
-from retarget.frontends.state import checkpointed_call
+from retarget.core.module_record import record_of
+from retarget.execution.checkpoint import FULL, NONE, SELECTIVE, BlockCheckpoint, block_checkpoint
+from retarget.execution.kept_calls import eager_form
+from retarget.execution.module_call import retarget_module
 from retarget.ir.hooks import users_hook_kinds
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.memory.activation_profile import (
-    FULL,
-    NONE,
-    SELECTIVE,
-    ActivationProfile,
-    profile_activations,
-)
+from retarget.passes.memory.activation_profile import ActivationProfile, profile_activations
 from retarget.passes.memory.budget import BudgetPlan, solve_budget
-from retarget.passes.memory.graph_checkpoint import applies, graph_checkpoint
 from retarget.passes.memory.measure import format_bytes
-from retarget.passes.memory.recompute_rules import selective_contexts
-from retarget.passes.memory.selective_scope import (
-    eager_form,
-    is_scoped,
-    scope_kept_calls,
-    scoped_contexts,
-)
-from retarget.target.grammar import Target
+from retarget.passes.memory.selective_scope import scope_kept_calls
+from retarget.spec.grammar import Target
 
 BUDGET = "budget"
 POLICY_OPTIONS = (FULL, SELECTIVE, BUDGET)
@@ -139,7 +120,8 @@ class CheckpointBlocks(Pass):
             return PassResult(changed=False, notes=(_nothing_to_do(solved, profile),))
         for path, policy in plan.items():
             if policy != NONE:
-                install(program.submodule(path), policy)
+                module = program.submodule(path)
+                retarget_module(module, checkpoint=block_checkpoint(module, policy))
         self._scope_selective_regions(program, plan)
         program.analysis.checkpoint = {"policy": self.options.policy, "plan": plan}
         notes = [_group_note(program, name, paths, plan) for name, paths in _by_group(groups)]
@@ -220,101 +202,6 @@ def _refuse_whole_graph(program: Program) -> None:
         )
 
 
-# -- runtime -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BlockCheckpoint:
-    """How one repeat is checkpointed: its policy and the BatchNorms whose stats it guards."""
-
-    policy: str
-    batchnorms: tuple[str, ...] = ()
-
-    def context_fn(self, module: nn.Module, scoped: bool = False):
-        """torch.utils.checkpoint's context_fn for a call of `module`; `scoped`: its region
-        enters the selective modes at kept calls itself (selective_scope.py)."""
-        if self.policy == FULL and not self.batchnorms:
-            return noop_context_fn
-
-        def contexts():
-            if self.policy == SELECTIVE:
-                forward, recompute = scoped_contexts() if scoped else selective_contexts()
-            else:
-                forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-            if self.batchnorms:  # outermost: its copies must not run inside a selective mode
-                kept = running_stats_kept(module, self.batchnorms)
-                recompute = _entered_together(kept, recompute)
-            return forward, recompute
-
-        return contexts
-
-
-def install(module: nn.Module, policy: str) -> None:
-    """Checkpoint every call of `module` under `policy` (full or selective)."""
-    batchnorms = tuple(
-        name
-        for name, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    )
-    checkpointed = with_mixin(module, CheckpointedModule)
-    CHECKPOINT.set(checkpointed, BlockCheckpoint(policy, batchnorms))
-
-
-class CheckpointedModule(nn.Module):
-    """Mixin of a repeat whose calls run under non-reentrant torch.utils.checkpoint."""
-
-    _retarget_mixin = True
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        forward = super().forward
-        if capturing() or not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        region = REGION.get(self)
-        scoped = False
-        if region is not None:
-            # A new signature is captured out here; a known one is the last call's (cached).
-            graph = region.graph_for_call(self, args, kwargs)
-            # Uncompiled, the region scopes the modes itself: at kept calls of a scoped graph,
-            # or around the whole eager form. A compiled call runs under torch's whole-block form.
-            scoped = region.runner is None and (graph is None or is_scoped(graph.gm))
-        setting: BlockCheckpoint = CHECKPOINT.get(self)
-        if (
-            scoped
-            and graph is not None
-            and setting.policy == SELECTIVE
-            and not setting.batchnorms
-            and applies(graph.gm, args, kwargs)
-        ):
-            return graph_checkpoint(self, forward, args, kwargs, scoped_contexts)
-        context_fn = setting.context_fn(self, scoped)
-        # A KV cache among the inputs: the recompute must see it as the forward did and must
-        # not update it a second time; checkpointed_call makes the function pure in the cache.
-        return checkpointed_call(forward, args, kwargs, context_fn=context_fn)
-
-
-@contextlib.contextmanager
-def running_stats_kept(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
-    """Put the BatchNorm running stats of `module` back as they were on exit."""
-    saved = []
-    for name in names:
-        norm = module.get_submodule(name)
-        if norm.training:
-            for key in ("running_mean", "running_var", "num_batches_tracked"):
-                buffer = getattr(norm, key, None)
-                if buffer is not None:
-                    saved.append((buffer, buffer.detach().clone()))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-@contextlib.contextmanager
-def _entered_together(first, second) -> Iterator[None]:
-    with first, second:
-        yield
-
-
 # -- report ------------------------------------------------------------------------------------
 def _counts(plan: dict[str, str]) -> dict[str, int]:
     return {
@@ -344,7 +231,7 @@ def _guard_notes(program: Program, plan: dict[str, str]) -> list[str]:
         if policy == NONE:
             continue
         module = program.submodule(path)
-        setting: BlockCheckpoint = CHECKPOINT.get(module)
+        setting: BlockCheckpoint = record_of(module).checkpoint
         if setting.batchnorms:
             notes.append(
                 f"{path}: {len(setting.batchnorms)} BatchNorm running stats restored after each "

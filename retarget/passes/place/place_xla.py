@@ -5,7 +5,7 @@ Contract: requires blocks | provides xla | after swap_fp8, insert_autocast, chec
 
 XLA traces each step lazily and compiles it whole, so nothing here rewrites graphs: the pass
 decides where every parameter lives and records it (`program.plan.xla`); the driver applies it
-(`runtime.xla_placement`): SPMD switched on, the model moved to the XLA device, each parameter
+(`execution.xla_placement`): SPMD switched on, the model moved to the XLA device, each parameter
 annotated, inputs moved and sharded on the batch dim, a step boundary at each call.
 
 - spmd=false: one XLA device holds the whole model (PJRT's first device).
@@ -29,10 +29,10 @@ from typing import Any
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import XlaPlan
+from retarget.execution import xla_device as xla
 from retarget.ir.program import Program
-from retarget.kernels import xla
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.target.grammar import Target
+from retarget.spec.grammar import Target
 
 SHARDINGS = ("fsdp", "replicate")
 

@@ -6,22 +6,36 @@ Contract: requires regions | provides stream | after insert_autocast, swap_fp8 |
 For inference on a model larger than the memory it may use: the repeated blocks that do not fit
 `max_memory` live on disk (or on the CPU when the execution device is an accelerator) and are
 brought to the execution device just before they run, `prefetch` blocks ahead on a background
-thread. The pass records the request (`program.plan.stream`); after the plan is applied the
-driver sizes the blocks against the budget (`bigmodel.stream_weights`), fills in the device map,
-and hooks the compiled model and the user's model together, so both drop the offloaded tensors
-between calls. Offloading moves weights, never values: outputs are bitwise those of the model
-held in memory. It follows every rewrite of the graphs (the weights it moves are the final ones).
+thread. The pass sizes the blocks against the budget (`max_memory`: bytes, a share of the model's
+weights, or the free memory) with `infer_auto_device_map` on the user's model (no-split units are
+find_blocks' repeats) and records the device map in `program.plan.stream`; the apply_stream stage
+(execution/stream.py) then hooks the compiled model and the user's model together along it, so both
+drop the offloaded tensors between calls. Offloading moves weights, never values: outputs are
+bitwise those of the model held in memory. It follows every rewrite of the graphs (the weights it
+moves are the final ones).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
+from retarget.core.placement import CPU, DISK
 from retarget.core.plans import StreamPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.target.grammar import Target
+from retarget.passes.place.device_map import (
+    available_memory,
+    infer_auto_device_map,
+    no_split_paths,
+    tensor_sizes,
+)
+from retarget.spec.grammar import Target
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,9 +80,37 @@ class PlanStream(Pass):
         ]
 
     def run(self, program: Program) -> PassResult:
-        plan = program.plan.stream = StreamPlan(
-            source=self.options.source,
-            prefetch=self.options.prefetch,
-            max_memory=self.options.max_memory,
+        options = self.options
+        plan = StreamPlan(
+            source=options.source, prefetch=options.prefetch, max_memory=options.max_memory
+        )
+        model = program.original
+        main = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device(CPU)
+        if options.source == CPU and main.type == CPU:
+            warnings.warn(
+                "stream[from=cpu]: the execution device is the cpu, so weights kept on the cpu "
+                "are already where they run; nothing is offloaded (use stream[from=disk])",
+                stacklevel=2,
+            )
+            entries = {"": CPU}
+        else:
+            budget = _budget(model, options.max_memory, main)
+            planned = infer_auto_device_map(
+                model, max_memory={str(main): budget}, mode="sequential"
+            )
+            entries = {k: (options.source if v == DISK else v) for k, v in planned.items()}
+        program.plan.stream = plan = dataclasses.replace(
+            plan,
+            device_map=entries,
+            main_device=str(main),
+            blocks=tuple(sorted(no_split_paths(model, None))),
         )
         return PassResult(changed=True, stats={"from": plan.source}, notes=(plan.describe(),))
+
+
+def _budget(model: nn.Module, max_memory: int | float | None, main: torch.device) -> int:
+    if isinstance(max_memory, float):
+        return int(max_memory * sum(tensor_sizes(model, None).values()))
+    if isinstance(max_memory, int):
+        return max_memory
+    return available_memory()[str(main)]

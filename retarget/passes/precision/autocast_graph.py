@@ -21,8 +21,8 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from retarget.core.modules import original_class
+from retarget.execution.autocast import LowPrecision
 from retarget.passes.precision import autocast_rules as rules
-from retarget.passes.precision.autocast_eager import LowPrecision, is_plain_leaf
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,7 +56,7 @@ def plan_graph(
     decisions = rules.classify(gm.graph, gm)
     lowered = Counter(rules.op_name(n) for n, d in decisions.items() if _lowers(n, d))
     for node in (n for n, d in decisions.items() if d == rules.MODULE):
-        plain = [m for m in modules(node.target) if is_plain_leaf(m)]
+        plain = [m for m in modules(node.target) if rules.is_plain_leaf(m)]
         if plain:
             lowered[rules.LOWER_MODULES[original_class(plain[0])] + " (module)"] += 1
     islands = Counter(
@@ -117,7 +117,7 @@ class _GraphRewriter:
                 state = EAGER
             elif decision == rules.MODULE:
                 for module in self.modules(node.target):
-                    if is_plain_leaf(module):
+                    if rules.is_plain_leaf(module):
                         self.policy.install(module)
                 state = self._propagate(node)  # the leaf casts its outputs back
             elif rules.op_name(node) == "_assert_tensor_metadata":

@@ -5,7 +5,7 @@ Every decision is data here, not an if-chain in the pass (STYLE.md point 3):
 - `LOWER`: the matmul class (torch.autocast's `lower_precision_fp` list). Their floating inputs
   are cast to bf16/fp16 and their output stays in it.
 - `ISLANDS`: op -> island kind. An island whose kind is in `keep_fp32` gets its inputs cast back
-  to float32. The kinds are the target's `keep_fp32` choices (retarget/target/schema.py).
+  to float32. The kinds are the target's `keep_fp32` choices (retarget/spec/schema.py).
 - `PATTERNS`: op chains that form one island together, e.g. the RMSNorm of HF Llama written
   as `pow -> mean -> add -> rsqrt` (each op alone would be a pow / reduce / pow island).
 - `CONDITIONS`: an island kind that applies only when a predicate holds (large reductions).
@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from retarget.core.module_record import record_of
+from retarget.core.modules import base_class
 
 #: Island kinds, as `bf16[keep_fp32=...]` spells them.
 KINDS = ("softmax", "norm", "loss", "exp", "log", "pow", "reduce", "cumsum")
@@ -197,3 +200,11 @@ def _match_chain(last: fx.Node, chain: tuple[str, ...]) -> list[fx.Node]:
         members.append(node)
         node = node.args[0] if node.args else None
     return members
+
+
+def is_plain_leaf(module: nn.Module) -> bool:
+    """A Linear/Conv of exactly a LOWER_MODULES class (not a subclass such as an FP8 Linear),
+    or one whose autocast policy is already installed."""
+    if type(module) in LOWER_MODULES:
+        return True
+    return record_of(module).autocast is not None and base_class(module) in LOWER_MODULES

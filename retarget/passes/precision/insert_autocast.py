@@ -27,8 +27,9 @@ Three forms, one per kind of code, so that every part of the model honours the t
   their inputs keep the dtype they were captured with, so no signature changes and no region
   runs two precision policies at once. Matmuls written inline in a glue forward stay float32.
 
-The pass plans and reports; the graph form is autocast_graph.py, the eager and glue forms are
-autocast_eager.py.
+The pass plans and reports; the graph form is autocast_graph.py; the eager and glue forms run
+at step time from the execution layer (execution/autocast.py: the LowPrecision policy the pass
+records in each glue leaf's record, or installs as a region's eager form).
 
 `autocast_eval=false` runs eval mode in float32: graphs captured in eval mode are left as
 captured (the train/eval flags are part of a graph's call signature), and the eager and glue
@@ -52,14 +53,14 @@ from torch import nn
 
 from retarget.core.modules import original_class
 from retarget.core.plans import LossScalerPlan
+from retarget.execution.autocast import LowPrecision
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.precision import autocast_rules as rules
-from retarget.passes.precision.autocast_eager import LowPrecision, is_plain_leaf
 from retarget.passes.precision.autocast_graph import plan_graph, rewrite_graph
-from retarget.target.grammar import Target
-from retarget.target.precisions import LOW_DTYPES
+from retarget.spec.grammar import Target
+from retarget.spec.precisions import LOW_DTYPES
 
 #: Loss-scaler options of the fp16 target part, recorded in program.plan.loss_scaler.
 SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -231,6 +232,6 @@ def _glue_leaves(program: Program) -> dict[str, nn.Module]:
     glue = {}
     for path, module in program.module.named_modules():
         inside = any(path == c or path.startswith(c + ".") for c in covered)
-        if not inside and is_plain_leaf(module):
+        if not inside and rules.is_plain_leaf(module):
             glue[path] = module
     return glue

@@ -4,7 +4,7 @@ Contract: requires regions | provides ddp
     | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
     | options DdpOptions
 
-The pass decides and records; `retarget.runtime.apply_plan` wraps the compiled model in torch's
+The pass decides and records; `retarget.execution.apply_plan` wraps the compiled model in torch's
 DistributedDataParallel when a process group of more than one process exists. The record,
 `program.plan.ddp` (a `DdpPlan`), holds DDP's settings (the `ddp[...]` options) and the
 gradient buckets DDP will all-reduce, computed the way DDP computes them:
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from retarget.core.plans import DdpBucket, DdpPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.target.grammar import PARTS, Target
+from retarget.spec.grammar import PARTS, Target
 
 _SCHEMA = PARTS["ddp"].options
 _MIB = 1024 * 1024

@@ -29,7 +29,7 @@ powersgd) do not apply and the target refuses them.
 
 The record, `program.plan.fsdp` (an `FsdpPlan`), lists the units with their parameter count
 and the elements each rank holds (FSDP2 shards dim 0 of every parameter in torch.chunk
-pieces); the runtime applies it (`retarget.runtime.apply_plan`).
+pieces); the runtime applies it (`retarget.execution.apply_plan`).
 
     >>> compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch, world_size=8)
     >>> print(compiled.report)        # units, per-rank counts, mixed-precision policy
@@ -50,9 +50,9 @@ from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_tp import fsdp_shapes
-from retarget.target.grammar import Target
-from retarget.target.precisions import LOW_DTYPES, dtype_name
-from retarget.target.strategies import FSDP_STRATEGIES
+from retarget.spec.grammar import Target
+from retarget.spec.precisions import LOW_DTYPES, dtype_name
+from retarget.spec.strategies import FSDP_STRATEGIES
 
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
 REDUCE_DTYPE = "float32"

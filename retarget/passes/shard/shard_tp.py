@@ -18,7 +18,7 @@ not divide (a fused q|k|v dim: each part), and sequence_parallel/loss_parallel w
 a dict (derived only: the stream's boundaries come from the graph walk and a run of the example;
 `passes.shard.tp_sequence`). It records the plan with its per-rank parameter counts
 (`program.plan.tp`, a TpPlan); the runtime applies it with torch's parallel styles over the
-"tp" dim of the mesh (`runtime.apply_tp`), after which FSDP2 (fsdp+tp) shards over "dp".
+"tp" dim of the mesh (`execution.apply_tp`), after which FSDP2 (fsdp+tp) shards over "dp".
 
 Regions: torch's styles convert each split module's inputs and outputs in module hooks, which
 a captured graph (no module boundaries inside) would skip, so every region holding a split
@@ -38,13 +38,13 @@ from typing import Any
 from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
-from retarget.core.plans import TP_STYLES, TpPlan
+from retarget.core.plans import TP_STYLES, TpPlan, TpRule
 from retarget.core.tp_split_dims import COLWISE_STYLES, local_numel, module_kind, split_dims
 from retarget.frontends import EAGER
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.target.grammar import Target
-from retarget.target.strategies import FSDP_STRATEGIES
+from retarget.spec.grammar import Target
+from retarget.spec.strategies import FSDP_STRATEGIES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,50 +201,8 @@ def _referenced(spec: str) -> Any:
 
 def check_plan(program: Program, plan: TpPlan) -> TpPlan:
     """The plan, if every rule can be applied to the model; TargetNotSupportedError if not."""
-    size = plan.size
     for path, rule in plan.rules.items():
-        where = f"tp plan {plan.source}: module {path!r}"
-        if rule.style not in TP_STYLES:
-            raise TargetNotSupportedError(
-                f"{where}: unknown style {rule.style!r} (styles: {', '.join(TP_STYLES)})"
-            )
-        try:
-            module = program.submodule(path)
-        except AttributeError:
-            raise TargetNotSupportedError(f"{where}: the model has no such module") from None
-        if (rule.style == "sequence_parallel" or rule.sequence) and not plan.sequence_parallel:
-            raise TargetNotSupportedError(
-                f"{where}: splits the sequence ({rule.style}, {rule.sequence or 'norm'}) but "
-                "the plan is not sequence_parallel: its neighbours would read a split stream"
-            )
-        if rule.vocab_output and not plan.loss_parallel:
-            raise TargetNotSupportedError(
-                f"{where}: logits split over the vocabulary but the plan is not loss_parallel"
-            )
-        if rule.style in ("replicate", "replicate_grad_allreduce", "sequence_parallel"):
-            continue  # nothing split: SequenceParallel replicates any module's parameters
-        kind = module_kind(module)
-        if kind is None:
-            raise TargetNotSupportedError(
-                f"{where}: a {type(module).__name__} cannot be split {rule.style}; torch's "
-                "styles here split nn.Linear, nn.Embedding and GPT-2's Conv1D"
-            )
-        parts = plan.fused.get(path, 1)
-        if parts > 1 and rule.style not in COLWISE_STYLES:
-            raise TargetNotSupportedError(
-                f"{where}: fused parts split {rule.style}; only a colwise split keeps each "
-                "part's slice on its rank"
-            )
-        for name, dim in split_dims(kind, rule.style).items():
-            param = getattr(module, name, None)
-            if param is None or dim is None:
-                continue
-            width = param.shape[dim]
-            if width % (size * parts):
-                what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
-                raise TargetNotSupportedError(
-                    f"{where}: {name} dim {dim} ({what}) does not split evenly into {size}"
-                )
+        _check_rule(program, plan, path, rule)
     if plan.loss_parallel and not any(r.vocab_output for r in plan.rules.values()):
         raise TargetNotSupportedError(
             f"tp plan {plan.source}: loss_parallel but no rule keeps logits split over the "
@@ -272,6 +230,53 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
     return plan
 
 
+def _check_rule(program: Program, plan: TpPlan, path: str, rule: TpRule) -> None:
+    """One rule of the plan: its style, its module, its options, and widths that divide."""
+    size = plan.size
+    where = f"tp plan {plan.source}: module {path!r}"
+    if rule.style not in TP_STYLES:
+        raise TargetNotSupportedError(
+            f"{where}: unknown style {rule.style!r} (styles: {', '.join(TP_STYLES)})"
+        )
+    try:
+        module = program.submodule(path)
+    except AttributeError:
+        raise TargetNotSupportedError(f"{where}: the model has no such module") from None
+    if (rule.style == "sequence_parallel" or rule.sequence) and not plan.sequence_parallel:
+        raise TargetNotSupportedError(
+            f"{where}: splits the sequence ({rule.style}, {rule.sequence or 'norm'}) but "
+            "the plan is not sequence_parallel: its neighbours would read a split stream"
+        )
+    if rule.vocab_output and not plan.loss_parallel:
+        raise TargetNotSupportedError(
+            f"{where}: logits split over the vocabulary but the plan is not loss_parallel"
+        )
+    if rule.style in ("replicate", "replicate_grad_allreduce", "sequence_parallel"):
+        return  # nothing split: SequenceParallel replicates any module's parameters
+    kind = module_kind(module)
+    if kind is None:
+        raise TargetNotSupportedError(
+            f"{where}: a {type(module).__name__} cannot be split {rule.style}; torch's "
+            "styles here split nn.Linear, nn.Embedding and GPT-2's Conv1D"
+        )
+    parts = plan.fused.get(path, 1)
+    if parts > 1 and rule.style not in COLWISE_STYLES:
+        raise TargetNotSupportedError(
+            f"{where}: fused parts split {rule.style}; only a colwise split keeps each "
+            "part's slice on its rank"
+        )
+    for name, dim in split_dims(kind, rule.style).items():
+        param = getattr(module, name, None)
+        if param is None or dim is None:
+            continue
+        width = param.shape[dim]
+        if width % (size * parts):
+            what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
+            raise TargetNotSupportedError(
+                f"{where}: {name} dim {dim} ({what}) does not split evenly into {size}"
+            )
+
+
 def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, int]:
     """(elements one rank holds, elements in all) of `root`'s parameters under `plan` (a
     parameter shared by two modules counts once, as its first module splits it)."""
@@ -297,7 +302,7 @@ def fsdp_shapes(
 
     Returns id(parameter) -> the tp rank's shape with the dim FSDP2 chunks moved first, and the
     ids each dp rank keeps whole. FSDP2 chunks dim 0, except for fused parts split on dim 0
-    (GPT-2's c_attn bias): runtime/tp_fsdp.py shards those on the first other dim `dp` divides,
+    (GPT-2's c_attn bias): execution/tp_fsdp.py shards those on the first other dim `dp` divides,
     or keeps them whole on every dp rank when there is none.
     """
     shapes: dict[int, tuple[int, ...]] = {}

@@ -162,17 +162,7 @@ def plan_block(
         return plan
     complete = [c for c in analysis.chains if c.complete]
     if inputs is not None and complete:
-        expected = graph_output_shape(region.representative())
-        check = WidthCheck(block, *inputs, analysis.linears, size, expected)
-        for chain, (found, why) in zip(complete, check.all_fixes(complete).values(), strict=True):
-            if why and forced is not None:
-                raise HandPlanConflict(
-                    f"the hand plan splits {', '.join(chain.members)} in {region.name}, but {why}"
-                )
-            if why:
-                chain.breaks.append(why)
-            for path, name, value in found:
-                plan.fixes.setdefault(path, {})[name] = value
+        _check_widths(region, block, inputs, analysis, complete, plan, size, forced)
     for chain in analysis.chains:
         chain_rules(chain, plan)
     for path, module in block.named_modules():
@@ -193,6 +183,23 @@ def plan_block(
                     reason=rule.reason + "; widths not checked (no example inputs)",
                 )
     return plan
+
+
+def _check_widths(region, block, inputs, analysis, complete, plan, size, forced) -> None:
+    """Run the block's code on one rank's share of each complete chain: a chain whose code
+    cannot run split breaks (or, under a hand plan, is a HandPlanConflict); the attribute
+    fixes it needs go into `plan.fixes`."""
+    expected = graph_output_shape(region.representative())
+    check = WidthCheck(block, *inputs, analysis.linears, size, expected)
+    for chain, (found, why) in zip(complete, check.all_fixes(complete).values(), strict=True):
+        if why and forced is not None:
+            raise HandPlanConflict(
+                f"the hand plan splits {', '.join(chain.members)} in {region.name}, but {why}"
+            )
+        if why:
+            chain.breaks.append(why)
+        for path, name, value in found:
+            plan.fixes.setdefault(path, {})[name] = value
 
 
 def chain_rules(chain: Chain, plan: BlockPlan) -> None:

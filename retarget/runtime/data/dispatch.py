@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 
 #: (remainder, duplicates) of an epoch's last round, as ShardedDataLoader reports them.
 Counts = tuple[int, int]

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from retarget.execution.process import ProcessState
 from retarget.runtime.data.sharding import ShardOptions
-from retarget.runtime.process import ProcessState
 
 
 def skip_plain(loader: DataLoader, count: int) -> Any:

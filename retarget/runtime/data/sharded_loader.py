@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from retarget.runtime.data.accelerate_order import AccelerateDraws, deal_dispatched
+from retarget.execution.nested import send_to_device
+from retarget.execution.process import ProcessState
 from retarget.runtime.data.dispatch import CollateTagged, receive_batches
 from retarget.runtime.data.loader_facts import (
     batch_size_of,
@@ -45,13 +46,13 @@ from retarget.runtime.data.loader_facts import (
 )
 from retarget.runtime.data.sharding import (
     Deal,
+    DrawsFactory,
+    EpochDraws,
     IterableShard,
     ShardOptions,
     deal_rounds,
     epoch_batches,
 )
-from retarget.runtime.nested import send_to_device
-from retarget.runtime.process import ProcessState
 
 _ACTIVE: list[ShardedDataLoader] = []
 
@@ -75,14 +76,14 @@ def shard_dataloader(
     dispatch_batches: bool = False,
     device: torch.device | str | None = None,
     seed: int | None = None,
-    order: str = "seeded",
+    order: str | DrawsFactory = "seeded",
     agree: ProcessState | None = None,
 ) -> ShardedDataLoader:
     """`loader` divided between the processes of `state` (see ShardOptions for the options).
 
     Every rank must call this together: rank 0's `seed` (by default the loader generator's or
-    torch's initial seed) is broadcast so that all ranks shuffle alike; `order="accelerate"`
-    shuffles as Accelerate's prepared loader does instead (see ShardOptions.order). Batches go
+    torch's initial seed) is broadcast so that all ranks shuffle alike; `order` given a factory of
+    EpochDraws draws each epoch by its rules instead (Accelerate's: ShardOptions.order). Batches go
     to `device` (default: the process's); `agree` (default `state`, tp: all) share the seed.
     """
     state = state or ProcessState.current()
@@ -167,9 +168,9 @@ class ShardedDataLoader:
         self._final = (-1, -1)
         self._inner: DataLoader | None = None
         self._inner_batches = _EpochBatches()
-        self._draws: AccelerateDraws | None = None
-        if options.order == "accelerate" and not self._iterable:
-            self._draws = AccelerateDraws(loader, state, dispatch=self._dispatch)
+        self._draws: EpochDraws | None = None
+        if options.order != "seeded" and not self._iterable:
+            self._draws = options.order(loader, state, dispatch=self._dispatch)
 
     def set_even_batches(self, even_batches: bool) -> None:
         """Change `even_batches` from the next iteration on (join_uneven_inputs' override)."""
@@ -286,7 +287,7 @@ class ShardedDataLoader:
 
     def _deal_batches(self, batches: list[list[int]]) -> Deal:
         if self._draws is not None and self._dispatch:
-            return deal_dispatched(
+            return self._draws.deal_dispatched(
                 batches,
                 world=self.state.world_size,
                 split_batches=self.options.split_batches,

@@ -26,9 +26,9 @@ order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset
@@ -55,15 +55,46 @@ class ShardOptions:
     """Rank 0 alone reads the dataset and sends each rank its batch; the other ranks never touch
     the dataset (for streams that cannot be read in parallel, or costly preprocessing)."""
 
-    order: str = "seeded"
+    order: str | DrawsFactory = "seeded"
     """How a map-style loader's epochs are shuffled. "seeded": from the agreed seed + epoch,
-    the caller's RNG untouched, the same order for any world size. "accelerate": drawn from the
-    RNG as Accelerate's prepared loader draws it (accelerate_order.py), so a script moved from
-    Accelerate gets its batches and its later random numbers (dropout) unchanged."""
+    the caller's RNG untouched, the same order for any world size. Else a factory of
+    `EpochDraws`, which draws each epoch itself: the Accelerate layer's `AccelerateDraws`
+    (retarget/compat/accelerate/data_order.py) draws from the RNG as Accelerate's prepared loader
+    does, so a script moved from Accelerate gets its batches and later random numbers unchanged."""
 
     def __post_init__(self) -> None:
-        if self.order not in ("seeded", "accelerate"):
-            raise ValueError(f"ShardOptions(order={self.order!r}): 'seeded' or 'accelerate'")
+        if self.order != "seeded" and not callable(self.order):
+            raise ValueError(
+                f"ShardOptions(order={self.order!r}): 'seeded', or a factory of EpochDraws "
+                "(Accelerate's order: order=retarget.compat.accelerate.data_order.AccelerateDraws)"
+            )
+
+
+class EpochDraws(Protocol):
+    """An epoch order drawn by its own rules (`ShardOptions.order` given as a factory): the
+    loader asks it for each epoch's batches and keeps its RNG states in the loader's state."""
+
+    def draw(self, epoch: int) -> list[list[int]]:
+        """Epoch `epoch`'s batches (all of them; [] on ranks that do not read in dispatch)."""
+        ...
+
+    def batch_sizes(self) -> list[int]:
+        """Sizes of an epoch's batches, known without drawing (for `len`)."""
+        ...
+
+    def state_dict(self, finished: bool) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def deal_dispatched(
+        self, batches: list[list[int]], *, world: int, split_batches: bool, drop_last: bool
+    ) -> Deal:
+        """How rank 0 deals drawn batches when it dispatches them."""
+        ...
+
+
+#: `order(loader, state, dispatch=...)` -> EpochDraws, built when the loader is prepared.
+DrawsFactory = Callable[..., EpochDraws]
 
 
 @dataclass(frozen=True)

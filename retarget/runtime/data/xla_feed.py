@@ -3,8 +3,8 @@
 Under the `xla` target `Runtime.shard` and `Accelerator.prepare` give the ShardedDataLoader a
 feed: its CPU batches go through torch_xla's ParallelLoader (what MpDeviceLoader wraps), which
 uploads them in background threads, under SPMD splitting every tensor's dim 0 over the mesh on
-the way (kernels.xla.batch_dim_sharding: tuple batches of tensors of any rank too), and calls
-`torch_xla.sync()` before handing out each batch.
+the way (execution.xla_device.batch_dim_sharding: tuple batches of tensors of any rank
+too), and calls `torch_xla.sync()` before handing out each batch.
 
 The loader keeps its own bookkeeping in the consuming thread: the feed sits between the batch
 source and the loader's one-batch look-ahead, so `position`, `end_of_dataloader` (gradient
@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from retarget.kernels import xla
+from retarget.execution import xla_device as xla
+from retarget.spec.grammar import Target
 
 
 class XlaFeed:
@@ -55,3 +56,9 @@ def _recording(batches: Iterable[Any], failures: list[BaseException]) -> Iterato
         yield from batches
     except Exception as error:  # the reader thread would swallow it
         failures.append(error)
+
+
+def feed_for(target: Target) -> XlaFeed | None:
+    """The upload path of a loader prepared for `target` (None when it has no xla part)."""
+    part = target.get("xla")
+    return None if part is None else XlaFeed(spmd=bool(part.get("spmd")))

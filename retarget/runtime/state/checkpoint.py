@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 from retarget.runtime.state.checkpoint_objects import (
     CheckpointObjects,
     CheckpointRegistry,

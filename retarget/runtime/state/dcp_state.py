@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 from retarget.runtime.state.checkpoint_objects import CheckpointObjects
 from retarget.runtime.state.codec import decode, encode, tensor_names
 from retarget.runtime.state.folder import CheckpointError

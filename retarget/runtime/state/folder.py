@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from retarget.core.version import __version__
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 
 MANIFEST = "manifest.json"
 FORMAT = "retarget-checkpoint"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from retarget.kernels import xla
+from retarget.execution import xla_device as xla
 
 
 def _accelerator() -> torch.device | None:

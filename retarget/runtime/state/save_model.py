@@ -26,7 +26,6 @@ own ties when there is no index).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +36,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
-from retarget.runtime.process import ProcessState
+from retarget.execution.process import ProcessState
 from retarget.runtime.state.codec import fsync_file
-
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+from retarget.spec.values import parse_size as parse_bytes_of
 
 #: File names by format: (shard prefix, extension, index name).
 _LAYOUT = {
@@ -62,22 +49,7 @@ _LAYOUT = {
 
 def parse_size(size: int | str) -> int:
     """Bytes in `size`: an int, or "10GB" / "500MB" (powers of 10) / "2GiB" (powers of 2)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        number, unit = size, "B"
-    else:
-        match = _SIZE.fullmatch(str(size))
-        unit = (match.group(2) or "B") if match else ""
-        if not match or unit.upper() not in _UNITS or unit[-1] == "b":
-            raise ValueError(
-                f"max_shard_size={size!r} is not a size: use an int (bytes) or a string such "
-                "as '500MB', '10GB' (powers of 10) or '2GiB' (powers of 2); a lowercase 'b' "
-                "(bits) is not accepted"
-            )
-        number = float(match.group(1))
-    value = int(number * _UNITS[unit.upper()])
-    if value <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be more than 0 bytes")
-    return value
+    return parse_bytes_of(size, what="max_shard_size", minimum=1)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

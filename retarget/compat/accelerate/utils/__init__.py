@@ -1,0 +1,38 @@
+"""Accelerate's `accelerate.utils` helpers that training scripts import, reached by users as
+`retarget.utils` (an alias of this package):
+
+    from retarget.utils import set_seed, find_executable_batch_size, LocalSGD, gather_object
+
+Each keeps Accelerate's signature and meaning; where one differs or refuses an argument, its
+docstring says so. It may use the runtime and big-model layers; the Accelerator's modules do
+not import it.
+"""
+
+from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
+from retarget.compat.accelerate.utils.launchers import debug_launcher, notebook_launcher
+from retarget.compat.accelerate.utils.local_sgd import LocalSGD
+from retarget.compat.accelerate.utils.memory import (
+    clear_device_cache,
+    find_executable_batch_size,
+    release_memory,
+    should_reduce_batch_size,
+)
+from retarget.compat.accelerate.utils.multiprocess_logging import MultiProcessAdapter, get_logger
+from retarget.compat.accelerate.utils.operations import broadcast_object_list, gather_object
+from retarget.compat.accelerate.utils.seeding import set_seed
+
+__all__ = [
+    "LocalSGD",
+    "MultiProcessAdapter",
+    "broadcast_object_list",
+    "clear_device_cache",
+    "debug_launcher",
+    "find_executable_batch_size",
+    "gather_object",
+    "get_logger",
+    "load_checkpoint_in_model",
+    "notebook_launcher",
+    "release_memory",
+    "set_seed",
+    "should_reduce_batch_size",
+]

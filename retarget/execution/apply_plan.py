@@ -1,0 +1,343 @@
+"""Apply the distribution plan the passes recorded: DDP or FSDP2 on the compiled model.
+
+The apply_plan stage (passes/apply/apply_plan.py) calls `apply_plan(program)` after every pass. With
+a `DdpPlan` or an `FsdpPlan` on `program.plan` it takes this process's `ProcessState` (initialising
+the process group from torchrun's environment), and:
+
+- world of one: applies nothing and says so in the plan (`plan.applied`) and the report;
+- DDP: torch's DistributedDataParallel wraps a small module that owns the compiled model and
+  runs its forward. The DDP object is kept in the compiled model's `__dict__`, outside
+  `_modules`, and the compiled model's forward calls through it (the OUTER_FORWARD slot), so
+  state_dict keys, parameter names and `isinstance` stay the user's while every DDP feature
+  (buckets, no_sync, comm hooks, buffer broadcast, static graph) is torch's own. The comm hook
+  from `plan.comm_hook` is registered on it.
+- FSDP2: `fully_shard` on each planned unit (repeated blocks, then the root) over a 1-D mesh, or
+  a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
+  plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
+  hold; parameters become DTensor shards.
+- tp: torch's parallel styles over the "tp" dim (execution.apply_tp); with fsdp/zero2/zero3
+  beside it, then fully_shard per unit over "dp", with execution.tp_fsdp placing what FSDP2 cannot
+  shard as is (fused parts on dim 0) and summing the gradients of the parameters tp keeps whole
+  but reads on split heads.
+
+Region graphs capture new call signatures while the model runs (a last, smaller batch); that
+capture traces the module's own forward, so the hooks FSDP installed on the module (which
+all-gather and free parameters) are made to stand aside while `region.capturing()` is true:
+the outer call's hooks have already gathered the parameters the capture reads.
+
+What was applied is kept as an `Applied` record in the compiled model's APPLIED slot,
+which the Runtime reads for no_sync, gradient sync and hook statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from retarget.core.capturing import capturing
+from retarget.core.modules import release_replaced
+from retarget.core.plans import AppliedPlan, FsdpPlan
+from retarget.core.slots import APPLIED, OUTER_FORWARD
+from retarget.execution.module_call import own_forward
+from retarget.execution.process import ProcessState
+from retarget.execution.step_guard import install_guard
+from retarget.ir.program import Program
+
+
+@dataclass
+class Applied:
+    """What apply_plan did to a compiled model: kind "ddp" or "fsdp" and the objects it made."""
+
+    kind: str
+    state: ProcessState
+    ddp: Any = None
+    hook_state: Any = None
+    fsdp_modules: list[nn.Module] = field(default_factory=list)
+    mesh: Any = None
+    tp_modules: list[str] = field(default_factory=list)
+    """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
+
+    def data_state(self) -> ProcessState:
+        """This process as data parallelism sees it: under tp, rank, world and process group
+        of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
+        gather_for_metrics gathers over dp); otherwise the process itself."""
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        if "tp" not in names:
+            return self.state
+        if "dp" not in names:
+            return dataclasses.replace(self.state, rank=0, world_size=1)
+        dp = self.mesh["dp"]
+        return dataclasses.replace(
+            self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
+        )
+
+    @property
+    def fsdp_root(self) -> nn.Module | None:
+        return self.fsdp_modules[-1] if self.fsdp_modules else None
+
+
+def applied_of(module: nn.Module) -> Applied | None:
+    """The Applied record of a compiled model, or None when compile_for applied no plan."""
+    return APPLIED.get(module)
+
+
+def apply_plan(program: Program) -> None:
+    """Realise program.plan's DDP or FSDP record on program.module (see the module docstring).
+
+    Then install the optimizer step guard where a plain optimizer would step wrongly
+    (step_guard.install_guard: FSDP-replaced parameters, zero1, fp16).
+    """
+
+    _apply(program)
+    install_guard(program)
+
+
+def _apply(program: Program) -> None:
+    plan = program.plan
+    record = plan.distribution
+    if record is None and plan.tp is None:
+        return
+    state = ProcessState.current()
+    planned = program.world.size
+    describe = program.world.describe()
+    if state.world_size == 1:
+        plan.applied = AppliedPlan(applied=False, reason="world size is 1")
+        planned_for = "" if planned == 1 else f" (the plan shown is for {describe})"
+        program.notes.append(
+            f"plan not applied: world size is 1, the model trains in this one process"
+            f"{planned_for}. Launch N processes (retarget launch --num_processes N, or torchrun) "
+            "to distribute it"
+        )
+        return
+    if planned != state.world_size:
+        raise ValueError(
+            f"compile_for planned '{program.target}' for {describe}, but this run "
+            f"has {state.world_size} processes: drop world_size= (the run's own size is used) "
+            f"or launch {planned} processes"
+        )
+    module = program.module
+    if state.device.type != "cpu":
+        module.to(state.device)
+    if plan.tp is not None:
+        applied = _apply_tp(program, state)
+    elif plan.ddp is not None:
+        applied = _apply_ddp(program, state)
+    else:
+        applied = _apply_fsdp(program, plan.fsdp, state)
+    APPLIED.set(module, applied)
+    plan.applied = AppliedPlan(
+        applied=True,
+        world_size=state.world_size,
+        backend=state.backend,
+        device=str(state.device),
+        wrapped=_wrapped(applied),
+    )
+
+
+def _wrapped(applied: Applied) -> str:
+    if applied.kind == "tp":
+        mesh = tuple(applied.mesh.shape)
+        return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"
+    if applied.kind == "ddp":
+        hook = applied.hook_state
+        return "DistributedDataParallel" + (f" + {type(hook).__name__}" if hook else "")
+    return f"fully_shard x {len(applied.fsdp_modules)} (mesh {tuple(applied.mesh.shape)})"
+
+
+# -- DDP -------------------------------------------------------------------------------------
+
+
+class DdpModule(nn.Module):
+    """What DistributedDataParallel wraps: owns the compiled model, runs its recorded call
+    (`own_forward`: below the compiled model's own forward, which would call DDP again)."""
+
+    def __init__(self, compiled: nn.Module):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return own_forward(self.compiled, *args, **kwargs)
+
+
+def _apply_ddp(program: Program, state: ProcessState) -> Applied:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from retarget.execution.comm_hooks import build_hook
+
+    module = program.module
+    device_ids = [state.device.index] if state.device.type == "cuda" else None
+    ddp = DistributedDataParallel(
+        DdpModule(module), device_ids=device_ids, **program.plan.ddp.options
+    )
+    applied = Applied("ddp", state, ddp=ddp)
+    hook_plan = program.plan.comm_hook
+    if hook_plan is not None:
+        applied.hook_state, hook = build_hook(hook_plan)
+        ddp.register_comm_hook(applied.hook_state, hook)
+    OUTER_FORWARD.set(module, functools.partial(_through_ddp, ddp, module))
+    return applied
+
+
+def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call the model through DDP, in the train/eval mode the user set on the model."""
+    if ddp.training != compiled.training:
+        ddp.train(compiled.training)
+    return ddp(*args, **kwargs)
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------
+
+
+# -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------
+
+
+def _apply_tp(program: Program, state: ProcessState) -> Applied:
+    """torch's parallel styles over the "tp" dim, then fully_shard over "dp" for fsdp+tp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from retarget.execution.apply_tp import apply_tp
+    from retarget.execution.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
+
+    tp = program.plan.tp
+    fsdp = program.plan.fsdp
+    shape, names = (tp.size,), ("tp",)
+    if fsdp is not None:
+        shape, names = (state.world_size // tp.size, tp.size), ("dp", "tp")
+    mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
+    # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
+    # distribute_tensor scatters rank 0's copy of the split ones.
+    broadcast_module_states(program.module)
+    if fsdp is None:
+        # The regions holding split modules run eagerly (shard_tp): no capture meets the hooks.
+        done = apply_tp(program.module, tp, mesh["tp"])
+        release_replaced(program.original, program.module)
+        return Applied("tp", state, mesh=mesh, tp_modules=done)
+    # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
+    # through Partial gradients (execution.tp_fsdp), not by apply_tp's hook on a parameter that
+    # fully_shard replaces.
+    partial = [p for p, r in tp.rules.items() if r.style == "replicate_grad_allreduce"]
+    rules = {p: r for p, r in tp.rules.items() if p not in partial}
+    done = apply_tp(program.module, dataclasses.replace(tp, rules=rules), mesh["tp"])
+    for path in partial:
+        sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
+    # tp's fused parts on dim 0 need a placement of their own (execution.tp_fsdp).
+    applied = _apply_fsdp(program, fsdp, state, mesh=mesh, placement=shard_placement(mesh))
+    applied.tp_modules = done
+    return applied
+
+
+def _apply_fsdp(
+    program: Program,
+    plan: FsdpPlan,
+    state: ProcessState,
+    mesh: Any = None,
+    placement: Callable[[nn.Parameter], Any] | None = None,
+) -> Applied:
+    """fully_shard per unit; under tp `mesh` is the (dp, tp) mesh and `placement` fully_shard's
+    shard_placement_fn."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
+        mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
+        if plan.sync_module_states:
+            broadcast_module_states(program.module)
+    kwargs = {
+        "mesh": mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh,
+        "shard_placement_fn": placement,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(plan),
+        "offload_policy": offload_policy(plan),
+    }
+    applied = Applied("fsdp", state, mesh=mesh)
+    for unit in plan.units:
+        module = program.submodule(unit.path) if unit.path else program.module
+        with hooks_skip_captures(module):
+            fully_shard(module, **kwargs)
+        applied.fsdp_modules.append(module)
+        # The user's model (kept for unwrap) would pin a full copy of every replaced parameter:
+        # freed unit by unit, so the whole model and all shards are never alive together.
+        release_replaced(program.original, program.module)
+    if plan.state_dict == "full":
+        program.module.register_state_dict_post_hook(_full_state_dict)
+        program.module.register_load_state_dict_pre_hook(_shard_loaded_state)
+    return applied
+
+
+def mixed_precision_policy(plan: FsdpPlan) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if plan.param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, plan.param_dtype),
+        reduce_dtype=getattr(torch, plan.reduce_dtype),
+    )
+
+
+def offload_policy(plan: FsdpPlan) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers (sync_module_states)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+@contextlib.contextmanager
+def hooks_skip_captures(module: nn.Module) -> Iterator[None]:
+    """Forward hooks registered on `module` inside this block do nothing during a capture."""
+    before = (set(module._forward_pre_hooks), set(module._forward_hooks))
+    yield
+    for hooks, old in zip((module._forward_pre_hooks, module._forward_hooks), before, strict=True):
+        for key in set(hooks) - old:
+            hooks[key] = _unless_capturing(hooks[key])
+
+
+def _unless_capturing(hook: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        return None if capturing() else hook(*args, **kwargs)
+
+    return guarded
+
+
+def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict=full: DTensor shards become whole tensors (all ranks must call state_dict)."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def _shard_loaded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """state_dict=full: whole tensors loaded into DTensor parameters become this rank's shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    current = _sharded_state(module)
+    for key, value in list(state_dict.items()):
+        target = current.get(key[len(prefix) :] if key.startswith(prefix) else key)
+        if isinstance(target, DTensor) and not isinstance(value, DTensor):
+            state_dict[key] = distribute_tensor(
+                value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            )
+
+
+def _sharded_state(module: nn.Module) -> dict[str, Any]:
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    return named

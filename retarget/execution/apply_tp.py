@@ -1,0 +1,297 @@
+"""Apply a TpPlan: torch's parallel styles on the planned modules, over the "tp" mesh dim.
+
+`apply_tp(module, plan, mesh)` calls `torch.distributed.tensor.parallel.parallelize_module` on
+each planned module with the style its rule names, then sets the per-rank attribute values
+(`plan.attribute_fixes`, e.g. GPT-2's `split_size`). Parameters become DTensors; inputs and
+outputs are converted by the styles' own hooks, so the model code between two split modules
+sees plain local tensors (colwise output: this rank's slice of the features; rowwise output:
+the whole, all-reduced by DTensor).
+
+Styles (core.plans.TP_STYLES) and what realises each:
+- colwise / colwise_rep / rowwise / rowwise_rep on nn.Linear and nn.Embedding: torch's
+  ColwiseParallel / RowwiseParallel themselves;
+- the same on GPT-2's Conv1D (weight [in, out]) and on a module with fused parts (q|k|v along
+  its output dim, `plan.fused`): `SplitColwise` / `SplitRowwise`, subclasses of torch's styles
+  that only change how the parameters are distributed (the dims come from core.tp_split_dims). A
+  fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
+  slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
+  `full_tensor()`, state_dict and DCP see the unfused-order weight;
+- sequence_parallel: torch's SequenceParallel (a norm on sequence slices; DTensor out);
+  replicate: nothing, or at a sequence boundary PrepareModuleInput (a replicated LM head
+  gathers the sequence) / PrepareModuleOutput (a replicated embedding's output is split on it);
+- a rule's `sequence` ("gather"/"scatter") sets the layouts of torch's styles at the boundary of
+  the sequence-split residual stream (see `style_for`); `vocab_output` keeps the LM head's
+  logits a vocab-split DTensor, the compiled forward then runs inside torch's
+  `loss_parallel()` and its loss's backward too (`enter_loss_parallel`);
+- replicate_grad_allreduce (a per-head norm read on split heads): kept whole, and a hook on
+  each parameter all-reduces its partial gradient over the tp ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from retarget.core.plans import TpPlan, TpRule
+from retarget.core.slots import OUTER_FORWARD
+from retarget.core.tp_split_dims import module_kind, split_dims
+from retarget.execution.module_call import own_forward
+
+SEQUENCE = Shard(1)  # the residual stream's split under sequence parallelism: (batch, seq, hidden)
+
+
+def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
+    """Split `module`'s planned submodules over the 1-D `mesh`; the paths split, in order."""
+    done = []
+    tied = _tied_parameters(module)
+    for path, rule in plan.rules.items():
+        target = module.get_submodule(path)
+        if rule.style == "replicate_grad_allreduce":
+            all_reduce_gradients(target, mesh.get_group())
+            continue
+        style = style_for(rule, target, plan.fused.get(path, 1))
+        if style is None:
+            continue
+        parallelize_module(target, mesh, style)
+        if rule.style != "replicate":
+            done.append(path)
+    _tie_again(tied)
+    if plan.loss_parallel:
+        enter_loss_parallel(module)
+    for path, values in plan.attribute_fixes.items():
+        if path in done:
+            # A split module's own forward runs on DTensors, whose sizes are the whole
+            # tensor's (Conv1D's `nf`): its widths stay; only the code between split modules
+            # sees one rank's slice.
+            continue
+        target = module.get_submodule(path)
+        for attribute, value in values.items():
+            setattr(target, attribute, value)
+    return done
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) users of each parameter that more than one module holds (an LM head
+    tied to the input embedding)."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((sub, name))
+    return [group for group in users.values() if len(group) > 1]
+
+
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Distributing a parameter registers a new one on its module; the other users of a tied
+    parameter get that same one back (both splits must place it alike: loss_parallel splits
+    the embedding and the head on the vocabulary, dim 0 of both)."""
+    for group in tied:
+        params = [getattr(sub, name) for sub, name in group]
+        split = [p for p in params if isinstance(p, DTensor)]
+        if not split:
+            continue
+        if any(p.placements != split[0].placements for p in split):
+            where = ", ".join(f"{type(sub).__name__}.{name}" for sub, name in group)
+            raise ValueError(f"tp: tied parameter {where} split differently by its users")
+        for sub, name in group:
+            sub.register_parameter(name, split[0])
+
+
+def all_reduce_gradients(module: nn.Module, group: Any) -> None:
+    """Sum each gradient contribution of `module`'s parameters over the tp `group` as it
+    arrives (before it is accumulated into .grad, so accumulation windows stay exact): each
+    rank computed it from its own heads only."""
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for param in module.parameters(recurse=False):
+        if param.requires_grad:
+            param.register_hook(summed)
+
+
+def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
+    """The ParallelStyle that realises `rule` on `module` (None: nothing to install).
+
+    Sequence boundaries (`rule.sequence`) set the layouts: "gather" reads an input split on
+    the sequence (Shard(1)) and all-gathers it, "scatter" reduce-scatters the output onto the
+    sequence and hands on the DTensor, so the stream between blocks keeps its whole shape
+    (model code reading `hidden_states.shape` sees the whole sequence). `vocab_output` keeps
+    the logits a DTensor split over the vocabulary (Shard(-1)), for torch's loss_parallel().
+    """
+    style, sequence = rule.style, rule.sequence
+    if style == "replicate_grad_allreduce":
+        return None
+    if style == "replicate":
+        if sequence == "gather":
+            return PrepareModuleInput(
+                input_layouts=(SEQUENCE,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,  # the whole sequence, into a plain module
+            )
+        if sequence == "scatter":
+            return PrepareModuleOutput(
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(SEQUENCE,),
+                use_local_output=False,
+            )
+        return None
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    kwargs: dict[str, Any] = {}
+    if sequence == "gather":
+        kwargs["input_layouts"] = SEQUENCE
+    if sequence == "scatter":
+        kwargs.update(output_layouts=SEQUENCE, use_local_output=False)
+    if rule.vocab_output:
+        kwargs.update(output_layouts=Shard(-1), use_local_output=False)
+    if style == "colwise_rep":
+        kwargs["output_layouts"] = Replicate()
+    if style == "rowwise_rep":
+        kwargs["input_layouts"] = Replicate()
+    kind = module_kind(module)
+    plain = kind in ("linear", "embedding") and parts == 1
+    if style in ("colwise", "colwise_rep"):
+        return ColwiseParallel(**kwargs) if plain else SplitColwise(kind, parts, **kwargs)
+    if style in ("rowwise", "rowwise_rep"):
+        return RowwiseParallel(**kwargs) if plain else SplitRowwise(kind, **kwargs)
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+def enter_loss_parallel(module: nn.Module) -> None:
+    """Run the compiled model's forward inside torch's loss_parallel(), so a cross entropy in
+    the model's code (HF's ForCausalLMLoss from `labels`) reads the vocab-split logits.
+
+    `loss` comes back a plain tensor (it is whole on every rank) that carries its backward's
+    context: a hook on it enters loss_parallel() when the backward reaches it, one on the
+    logits leaves it once the cross entropy's backward is done. So `loss.backward()`,
+    `compiled.runtime.backward(loss)` and `Accelerator.backward(loss)` all work, and nothing
+    else runs under the context."""
+    OUTER_FORWARD.set(module, partial(_forward_in_loss_parallel, module))
+
+
+def _forward_in_loss_parallel(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with loss_parallel():
+        output = own_forward(module, *args, **kwargs)
+    mapping = isinstance(output, Mapping)
+    if mapping:
+        loss, logits = output.get("loss"), output.get("logits")
+    elif isinstance(output, tuple) and len(output) > 1:  # return_dict=False: (loss, logits, ..)
+        loss, logits = output[0], output[1]
+    else:
+        return output
+    if not isinstance(loss, DTensor) or loss.ndim:
+        return output
+    loss = loss.to_local()  # Replicate: each rank's local value is the whole loss
+    if loss.requires_grad and isinstance(logits, DTensor) and logits.requires_grad:
+        entered: list[Any] = []
+        loss.register_hook(partial(_enter_backward, entered))
+        logits.register_hook(partial(_leave_backward, entered))
+    if mapping:
+        output["loss"] = loss
+        return output
+    return (loss, *output[1:])
+
+
+def _enter_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    entered.append(loss_parallel())
+    entered[-1].__enter__()
+
+
+def _leave_backward(entered: list[Any], grad: torch.Tensor) -> None:
+    if entered:
+        entered.pop().__exit__(None, None, None)
+
+
+def _distribute_params(
+    module: nn.Module, mesh: Any, kind: str, style: str, parts: int, src_data_rank: int | None
+) -> None:
+    for name, dim in split_dims(kind, style).items():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        if dim is None:
+            placement: Any = Replicate()
+        elif parts > 1:
+            placement = _StridedShard(dim, split_factor=parts)
+        else:
+            placement = Shard(dim)
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+class SplitColwise(ColwiseParallel):
+    """ColwiseParallel for Conv1D and fused-output modules: parameters split by the layout
+    table (fused parts one by one), input and output handled as torch's ColwiseParallel does."""
+
+    def __init__(self, kind: str, parts: int = 1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.kind, self.parts = kind, parts
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        style = "colwise_rep" if self.output_layouts == (Replicate(),) else "colwise"
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _distribute_params(
+                mod, mesh, self.kind, style, self.parts, self.src_data_rank
+            ),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(_colwise_output, self.output_layouts, self.use_local_output),
+        )
+
+
+def _colwise_output(
+    output_layouts: tuple[Any, ...], use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any
+) -> Any:
+    """Output of a colwise split: kept as sharded on the last dim (a strided shard of fused
+    parts stays strided: its local tensor is [q_r|k_r|v_r], what the model code splits), or
+    gathered whole when the style asks for Replicate."""
+    dim = getattr(outputs.placements[0], "dim", None)  # Shard and _StridedShard have one
+    last = dim in (-1, outputs.ndim - 1)
+    if output_layouts[0].is_replicate() or not last:
+        outputs = outputs.redistribute(placements=output_layouts)
+    return outputs.to_local() if use_local_output else outputs
+
+
+class SplitRowwise(RowwiseParallel):
+    """RowwiseParallel for Conv1D: weight split on its input dim (dim 0 of [in, out]), bias
+    kept whole; input and output handled as torch's RowwiseParallel does for nn.Linear."""
+
+    def __init__(self, kind: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        self.desired_input_layouts = (Replicate(),) if self.kind == "embedding" else (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: _distribute_params(
+                mod, mesh, self.kind, "rowwise", 1, self.src_data_rank
+            ),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def is_split(param: Any) -> bool:
+    """Whether a parameter is a DTensor (split or placed by tp or fsdp)."""
+    return isinstance(param, DTensor)

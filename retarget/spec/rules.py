@@ -1,0 +1,221 @@
+"""Which parts and options combine: the rule tables, and the checks that read them.
+
+Rules are data: a pair that conflicts, a part that needs one of some others, an option value
+that needs another option or part. The grammar (grammar.py) runs ``check_option_rules`` on each
+part and ``check_conflicts`` on the whole target; every message names the parts and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+from typing import Any, Protocol
+
+from retarget.spec.errors import TargetError
+from retarget.spec.options import format_option, format_value
+from retarget.spec.schema import PARTS
+from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES, STRATEGIES, STRATEGY
+
+_HOOK_CLASH = (
+    "are both DDP comm hooks and DDP takes one: write them as one hook, "
+    "e.g. ddp+powersgd[wrapper={}]"
+)
+_TP_COMPOSES = (
+    "tensor parallelism runs alone (tp[size] = the number of processes) or under FSDP2 over "
+    "the data-parallel dimension of a (dp, tp) mesh (fsdp+tp, zero2+tp, zero3+tp)"
+)
+#: The parts tp does not combine with, and why.
+_TP_CONFLICTS = {
+    "single": f"'single' and 'tp' do not combine: 'single' runs one process; {_TP_COMPOSES}",
+    "ddp": "'ddp' and 'tp' do not combine: DistributedDataParallel all-reduces every gradient "
+    "over all ranks, but tp's parameters are DTensor shards that differ between the ranks of a "
+    f"tp group and DDP does not take DTensors; {_TP_COMPOSES}",
+    "zero1": "'zero1' and 'tp' do not combine: zero1 is DDP plus optimizer-state sharding, and "
+    f"DDP does not take tp's DTensor parameters; {_TP_COMPOSES}",
+    "hsdp": "'hsdp' and 'tp' do not combine: that needs a 3-D (replicate, shard, tp) mesh, "
+    f"which is not implemented; {_TP_COMPOSES}",
+    "xla": "'xla' and 'tp' do not combine: XLA shards with its own SPMD partitioner; "
+    + _TP_COMPOSES,
+    "compile": "'compile' and 'tp' do not combine yet: tp runs the split blocks eagerly (a "
+    "captured graph would skip the DTensor layouts torch's parallel styles install), and "
+    "torch.compile over DTensor modules is not implemented here",
+    "fp8": "'fp8' and 'tp' do not combine: torch's parallel styles split nn.Linear and the FP8 "
+    "modules are not nn.Linear; drop one of them",
+    "offload": "'offload' and 'tp' do not combine: CPU offload of tp's 2-D DTensor shards is "
+    "not implemented; drop offload",
+}
+#: Pairs of parts that cannot be combined, with the reason.
+CONFLICTS: dict[frozenset[str], str] = {
+    **{
+        frozenset((a, b)): f"'{a}' and '{b}' are both distribution strategies; pick one "
+        f"({a} {STRATEGY[a].does}, {b} {STRATEGY[b].does})"
+        for a, b in combinations(STRATEGIES, 2)
+    },
+    **{frozenset((s, "tp")): why for s, why in _TP_CONFLICTS.items()},
+    **{
+        frozenset(("stream", other)): f"'stream' and '{other}' do not combine: stream runs "
+        "inference in one process, bringing weights in block by block; "
+        f"'{other}' is for training" + (" on several processes" if other in STRATEGIES else "")
+        for other in (
+            *(s for s in STRATEGIES if s not in ("single", "xla")),
+            "tp",
+            "ac",
+            "fp8",
+            "offload",
+            "powersgd",
+            "fp16-comm",
+            "bf16-comm",
+        )
+    },
+    frozenset(("bf16", "fp16")): "'bf16' and 'fp16' are both autocast dtypes; pick one "
+    "(bf16 needs no loss scaling)",
+    frozenset(("fp16", "fp8")): "'fp16' and 'fp8' do not combine: fp8 runs the other ops in "
+    "bf16; use bf16+fp8",
+    frozenset(("fp16-comm", "bf16-comm")): "'fp16-comm' and 'bf16-comm' both cast gradients "
+    "for the all-reduce; pick one",
+    frozenset(("powersgd", "fp16-comm")): "'powersgd' and 'fp16-comm' "
+    + _HOOK_CLASH.format("fp16"),
+    frozenset(("powersgd", "bf16-comm")): "'powersgd' and 'bf16-comm' "
+    + _HOOK_CLASH.format("bf16"),
+}
+#: Parts that combine only with the listed ones.
+ONLY_WITH = {
+    "xla": (
+        ("bf16",),
+        "XLA compiles and distributes the whole step itself (xla[sharding=fsdp] shards the "
+        "blocks over its devices); of the other parts only bf16 (autocast on XLA) is "
+        "implemented there",
+    ),
+}
+_HOOK_NEEDS = (DDP_STRATEGIES, "comm hooks change DDP's gradient all-reduce")
+#: Parts that need one of the listed parts.
+NEEDS_ONE_OF = {
+    "offload": (FSDP_STRATEGIES, "offload moves sharded state to the CPU"),
+    "powersgd": _HOOK_NEEDS,
+    "fp16-comm": _HOOK_NEEDS,
+    "bf16-comm": _HOOK_NEEDS,
+}
+#: (part, option, values that trigger the rule, parts of which one must be present, why)
+OPTION_NEEDS_PART = (
+    (
+        "bf16",
+        "downcast",
+        (True,),
+        ("xla",),
+        "it is XLA's XLA_DOWNCAST_BF16",
+    ),
+)
+#: (part, option, values that trigger the rule, parts it does not combine with, why)
+OPTION_CONFLICTS_PART = (
+    (
+        "compile",
+        "scope",
+        ("whole",),
+        ("ac",),
+        "the whole model is then one graph, whose blocks cannot be checkpointed one by one; "
+        "use compile[scope=regions] (the default), which compiles each checkpointed block",
+    ),
+)
+#: (part, option, trigger values or None for "set", needed option, allowed values or None for
+#: "set", why): rules between the options of one part.
+OPTION_RULES: tuple[tuple[str, str, Any, str, Any, str], ...] = (
+    ("fp8", "scaling", ("rowwise",), "backend", ("torchao", "native"), "only they scale per row"),
+    ("fp8", "opt_level", None, "backend", ("msamp",), "it is an MS-AMP setting"),
+    (
+        "fp8",
+        "override_linear_precision",
+        None,
+        "backend",
+        ("auto", "te", "native"),
+        "it is a TE recipe setting, which te and native implement",
+    ),
+    *(
+        ("fp8", key, None, "scaling", ("delayed",), "only delayed scaling keeps an amax history")
+        for key in ("amax_history", "amax_algo")
+    ),
+    ("ac", "budget", None, "policy", ("budget",), "a budget applies to policy=budget only"),
+    ("ac", "policy", ("budget",), "budget", None, "write e.g. ac[budget=0.5] or ac[budget=8GiB]"),
+    ("offload", "params", (False,), "optimizer", (True,), "otherwise nothing is offloaded"),
+)
+#: Defaults that depend on another option: (part, option) -> (when this option is set, default).
+IMPLIED = {("ac", "policy"): ("budget", "budget")}
+#: Words that are not part names but whose meaning has one, for suggestions.
+NAME_HINTS = dict(
+    pair.split(":")
+    for pair in "fsdp1:fsdp fsdp2:fsdp float8:fp8 bfloat16:bf16 float16:fp16 half:fp16"
+    " checkpoint:ac activation_checkpointing:ac dynamo:compile torch_compile:compile"
+    " cpu_offload:offload tensor_parallel:tp hybrid_shard:hsdp dp:ddp no:single none:single".split()
+)
+
+
+def option_default(name: str, key: str, values: Mapping[str, Any]) -> Any:
+    """The default of option ``key`` of part ``name``, given the options set (see IMPLIED)."""
+    implied = IMPLIED.get((name, key))
+    if implied and values.get(implied[0]) is not None:
+        return implied[1]
+    return PARTS[name].options[key].default
+
+
+def effective_option(name: str, key: str, values: Mapping[str, Any]) -> Any:
+    """Option ``key`` as set in ``values``, or its default."""
+    return values[key] if key in values else option_default(name, key, values)
+
+
+def _holds(name: str, key: str, values: Any, explicit: Mapping[str, Any]) -> bool:
+    """Whether option ``key`` is set (values None) or has one of ``values``."""
+    return key in explicit if values is None else effective_option(name, key, explicit) in values
+
+
+def check_option_rules(name: str, explicit: Mapping[str, Any], where: str) -> None:
+    """Raise TargetError when the options set on part ``name`` break one of OPTION_RULES."""
+    for part, key, when, need_key, allowed, why in OPTION_RULES:
+        if part != name or not _holds(name, key, when, explicit):
+            continue
+        if _holds(name, need_key, allowed, explicit):
+            continue
+        got = effective_option(name, need_key, explicit)
+        opts = PARTS[name].options
+        given = f"{key}={format_option(opts[key], effective_option(name, key, explicit))}"
+        need = need_key if allowed is None else f"{need_key}={format_value(allowed)}"
+        now = "is not set" if allowed is None else f"is {format_option(opts[need_key], got)}"
+        raise TargetError(f"{given} in {where!r} needs {need}, but {need_key} {now}: {why}", where)
+
+
+class NamedPart(Protocol):
+    """What the checks read of a part: its name and its options' values."""
+
+    name: str
+
+    def get(self, key: str) -> Any: ...
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    quoted = [f"'{name}'" for name in names]
+    return quoted[0] if len(quoted) == 1 else f"one of {', '.join(quoted)}"
+
+
+def check_conflicts(parts: Sequence[NamedPart]) -> None:
+    """Raise TargetError when parts conflict or miss a part they need (CONFLICTS, ONLY_WITH,
+    NEEDS_ONE_OF, OPTION_NEEDS_PART, OPTION_CONFLICTS_PART)."""
+    names = [part.name for part in parts]
+    for a, b in combinations(names, 2):
+        if frozenset((a, b)) in CONFLICTS:
+            raise TargetError(CONFLICTS[frozenset((a, b))], part=b)
+    for name, (allowed, why) in ONLY_WITH.items():
+        others = [n for n in names if n not in (name, *allowed)] if name in names else []
+        if others:
+            raise TargetError(f"'{name}' does not combine with '{others[0]}': {why}", others[0])
+    for name in names:
+        needs, why = NEEDS_ONE_OF.get(name, ((), ""))
+        if needs and not set(needs) & set(names):
+            raise TargetError(f"'{name}' needs {_one_of(needs)}: {why}", part=name)
+    for part in parts:
+        for name, key, values, needs, why in OPTION_NEEDS_PART:
+            if part.name == name and part.get(key) in values and not set(needs) & set(names):
+                shown = f"{name}[{key}={format_value(part.get(key))}]"
+                raise TargetError(f"{shown} needs {_one_of(needs)}: {why}", part=name)
+        for name, key, values, others, why in OPTION_CONFLICTS_PART:
+            clash = [n for n in others if n in names]
+            if part.name == name and part.get(key) in values and clash:
+                shown = f"{name}[{key}={format_value(part.get(key))}]"
+                raise TargetError(f"{shown} and '{clash[0]}' do not combine: {why}", part=name)
