@@ -110,9 +110,17 @@ class ScaledOptimizer(Optimizer):
         runtime = self._runtime
         if not runtime.sync_gradients:
             return None
+        guard = runtime.guard
+        if not guard.scaled_gradients:
+            # No loss was scaled since the last step (DCP sets a fresh optimizer's state up by
+            # stepping it with zero gradients before any backward; or a backward that did not go
+            # through run.backward): the gradients are as they are, so step plainly.
+            with guard.stepping(self.optimizer):
+                self.optimizer.step()
+            runtime.step_was_skipped = False
+            return None
         scaler: LossScaler = runtime.scaler
         unscale_agreed(scaler, self.optimizer, runtime.state)
-        guard = runtime.guard
         with guard.stepping(self.optimizer):
             stepped = scaler.step(self.optimizer)
         scaler.update()

@@ -117,6 +117,42 @@ def test_fp16_needs_a_prepared_optimizer_which_skips_inf_steps():
     assert all(torch.equal(a, p) for a, p in zip(kept, model.parameters(), strict=True))
 
 
+def _fp16_run(folder, steps: range, *, save: bool = False, resume: bool = False) -> list[float]:
+    """Losses of `steps` of a compiled fp16 MLP with a prepared AdamW, built as a fresh process
+    builds it; `resume`: load the checkpoint in `folder` first (the optimizer has no state
+    yet); `save`: save one there after the steps. Step i trains on batch i."""
+    from retarget.runtime.state.checkpoint import load_state, save_state
+
+    torch.manual_seed(0)
+    model = retarget.compile_for(_mlp(), "fp16[init_scale=1024]", example_inputs=torch.randn(2, 8))
+    run = model.runtime
+    optimizer = run.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if resume:
+        load_state(folder, model=model, optimizers=[optimizer], scaler=run.scaler)
+    losses = []
+    for step in steps:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).float().pow(2).mean()
+        run.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if save:
+        save_state(folder, model=model, optimizers=[optimizer], scaler=run.scaler)
+    return losses
+
+
+def test_fp16_resumes_through_the_runtime_in_a_fresh_process(tmp_path):
+    """load_state into a prepared fp16 optimizer that never stepped (DCP sets up its state by
+    stepping it once with zero gradients, before any loss was scaled): the resumed run repeats
+    the uninterrupted one bit for bit."""
+    folder = tmp_path / "ckpt"
+    uninterrupted = _fp16_run(folder, range(5))
+    first = _fp16_run(folder, range(3), save=True)
+    resumed = _fp16_run(folder, range(3, 5), resume=True)
+    assert first + resumed == uninterrupted
+
+
 def test_zero1_in_a_world_of_one_prepares_a_plain_optimizer():
     model = retarget.compile_for(_mlp(), "zero1", example_inputs=torch.randn(2, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -58,6 +58,7 @@ class StateMethods:
             step=self.step,
             accumulation_step=self._accumulation_step(),
             project=project,
+            overwrite=True,  # Accelerate writes into a folder that exists, whatever it holds
         )
 
     def load_state(

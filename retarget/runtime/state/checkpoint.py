@@ -191,13 +191,16 @@ def save_state(
     step: int = 0,
     accumulation_step: int = 0,
     project: ProjectConfig | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Save everything needed to continue training exactly; returns the checkpoint folder.
 
     Call it on every rank. Schedulers, the scaler (LossScaler or GradScaler), data loaders and
     custom objects need `state_dict()`/`load_state_dict()` returning plain data and tensors.
     With `project` (automatic naming) the folder is the next `checkpoint_<n>`, and checkpoints
-    beyond `total_limit` are removed, oldest first, once the new one is complete.
+    beyond `total_limit` are removed, oldest first, once the new one is complete. The folder
+    may be new, empty or an earlier checkpoint; one holding other files is refused (naming
+    them) unless `overwrite=True`, which writes the checkpoint beside them.
     """
     state = ProcessState.current()
     rng = RngState.capture()  # first: nothing below may have drawn from a generator yet
@@ -205,7 +208,7 @@ def save_state(
         model, optimizers, schedulers, scaler, dataloaders, custom_objects
     )
     final = _save_dir(output_dir, project, state)
-    staging = begin_save(final, state)
+    staging = begin_save(final, state, overwrite=overwrite)
     try:
         _write_state(staging, final, objects, rng, step, accumulation_step, state)
     except BaseException:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -101,25 +102,48 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def begin_save(final: Path, state: ProcessState) -> Path:
+def begin_save(final: Path, state: ProcessState, *, overwrite: bool = False) -> Path:
     """Prepare the staging folder for a save to `final` on every rank; returns it.
 
-    A stale staging folder (left by an interrupted save) is removed first. `final` may exist
-    only as a retarget checkpoint (it is then replaced when the new one is complete).
+    A stale staging folder (left by an interrupted save) is removed first. `final` may be new,
+    an empty folder, or a retarget checkpoint (replaced once the new one is complete); a folder
+    holding anything else is refused naming what it holds, unless `overwrite`: the checkpoint is
+    then written beside those files (what Accelerate's save_state does), with a warning.
     """
     staging = staging_path(final)
     # Every rank checks, so that all of them stop here rather than wait for rank 0.
-    if final.exists() and not (final / MANIFEST).is_file():
-        raise CheckpointError(
-            f"refusing to save into {final}: it exists and is not a retarget checkpoint "
-            f"(no {MANIFEST}); choose another folder or remove it"
+    foreign = _foreign_entries(final)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         )
+        if not overwrite:
+            raise CheckpointError(
+                f"refusing to save into {final}: it holds {shown} and is not a retarget "
+                f"checkpoint (no {MANIFEST}); choose a new or empty folder, remove them, or pass "
+                "overwrite=True to write the checkpoint beside them"
+            )
+        if state.is_main_process:
+            warnings.warn(
+                f"save_state: {final} holds {shown}, which is not a retarget checkpoint; the "
+                "checkpoint is written beside those files, which are kept",
+                stacklevel=3,
+            )
     if state.is_main_process:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     state.wait_for_everyone()
     return staging
+
+
+def _foreign_entries(final: Path) -> list[str]:
+    """What `final` holds when it is neither new, empty nor a retarget checkpoint."""
+    if not final.exists() or (final / MANIFEST).is_file():
+        return []
+    if not final.is_dir():
+        raise CheckpointError(f"cannot save into {final}: it is a file, not a folder")
+    return sorted(entry.name for entry in final.iterdir())
 
 
 def commit_save(final: Path, manifest: Manifest, state: ProcessState) -> None:
@@ -145,16 +169,33 @@ def commit_save(final: Path, manifest: Manifest, state: ProcessState) -> None:
         # File data is synced by its writer; the folders' entries must reach the disk too.
         for folder in [staging, *(p for p in staging.rglob("*") if p.is_dir())]:
             _fsync_dir(folder)
-        replaced = final.parent / f".{final.name}.replaced"
-        if final.exists():
+        if _foreign_entries(final):
+            _commit_beside(staging, final)
+        else:
+            replaced = final.parent / f".{final.name}.replaced"
+            if final.exists():
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+                os.replace(final, replaced)
+            os.replace(staging, final)
+            _fsync_dir(final.parent)
             if replaced.exists():
                 shutil.rmtree(replaced)
-            os.replace(final, replaced)
-        os.replace(staging, final)
-        _fsync_dir(final.parent)
-        if replaced.exists():
-            shutil.rmtree(replaced)
     state.wait_for_everyone()
+
+
+def _commit_beside(staging: Path, final: Path) -> None:
+    """Move the staged checkpoint into `final`, which holds other files (kept): each entry
+    replaces one of the same name, and the manifest comes last, so until it is in place the
+    folder does not read as a complete checkpoint."""
+    for entry in sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST):
+        target = final / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    _fsync_dir(final)
+    staging.rmdir()
+    _fsync_dir(final.parent)
 
 
 def is_complete(folder: Path) -> bool:

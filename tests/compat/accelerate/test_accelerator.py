@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 import warnings
 from pathlib import Path
@@ -359,6 +360,29 @@ def test_save_and_load_state_with_numbered_folders(tmp_path):
     (tmp_path / "foreign" / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="not a retarget checkpoint"):
         accelerator.load_state(tmp_path / "foreign")
+
+
+def test_save_state_writes_into_a_folder_that_exists_as_accelerate_does(tmp_path):
+    """An empty folder (a TemporaryDirectory, a makedirs'd output dir) is written; one holding
+    other files (a save hook's, the user's) is written into with a warning, its files kept."""
+    accelerator = Accelerator()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with tempfile.TemporaryDirectory() as empty:
+        accelerator.save_state(empty)
+        assert (Path(empty) / "manifest.json").is_file()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep me")
+    with pytest.warns(UserWarning, match="holds notes.txt.*written beside those files"):
+        accelerator.save_state(tmp_path / "out")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.load_state(tmp_path / "out")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
 
 
 class Counter:

@@ -14,6 +14,7 @@ from retarget.runtime.state.folder import (
     Manifest,
     begin_save,
     commit_save,
+    is_complete,
     staging_path,
     verify_folder,
 )
@@ -21,12 +22,13 @@ from retarget.runtime.state.folder import (
 ONE = ProcessState()  # a world of one
 
 
-def _save(final, files: dict[str, bytes], *, world_size: int = 1, sharded: bool = False):
-    staging = begin_save(final, ONE)
+def _save(final, files: dict[str, bytes], *, world_size: int = 1, sharded: bool = False, **options):
+    had_manifest = (final / MANIFEST).exists()
+    staging = begin_save(final, ONE, **options)
     for name, data in files.items():
         (staging / name).parent.mkdir(parents=True, exist_ok=True)
         (staging / name).write_bytes(data)
-    assert not final.exists() or (final / MANIFEST).exists()  # nothing final before the commit
+    assert (final / MANIFEST).exists() == had_manifest  # nothing final before the commit
     manifest = Manifest(world_size=world_size, sharded=sharded, contents={"step": 1})
     commit_save(final, manifest, ONE)
 
@@ -53,9 +55,36 @@ def test_a_new_save_replaces_an_old_checkpoint_and_clears_a_stale_staging_folder
 def test_refuses_to_overwrite_a_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="refusing to save into .*mine.*not a retarget"):
+    with pytest.raises(
+        CheckpointError,
+        match="refusing to save into .*mine: it holds notes.txt "
+        "and is not a retarget checkpoint.*overwrite=True",
+    ):
         begin_save(tmp_path / "mine", ONE)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_an_empty_folder_is_written(tmp_path):
+    """tempfile.TemporaryDirectory(), or an output dir the script made with os.makedirs."""
+    final = tmp_path / "made"
+    final.mkdir()
+    _save(final, {"a": b"1"})
+    assert sorted(p.name for p in final.iterdir()) == ["a", MANIFEST]
+    assert is_complete(final)
+
+
+def test_overwrite_writes_beside_other_files_and_keeps_them(tmp_path):
+    """Accelerate's save_state writes into a folder that holds anything (a save hook's model
+    files, its own earlier checkpoint); with overwrite so do we, warning, keeping its files."""
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "adapter_config.json").write_text("{}")
+    (final / "a").write_bytes(b"old")
+    with pytest.warns(UserWarning, match="holds a, adapter_config.json.*written beside"):
+        _save(final, {"a": b"new", "b": b"2"}, overwrite=True)
+    assert sorted(p.name for p in final.iterdir()) == ["a", "adapter_config.json", "b", MANIFEST]
+    assert (final / "a").read_bytes() == b"new" and is_complete(final)
+    assert not staging_path(final).exists()
 
 
 def test_missing_folder_points_at_the_interrupted_save_and_the_complete_ones(tmp_path):
