@@ -5,6 +5,7 @@ timing several steps interleaved so that load from other jobs falls on all of th
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import time
@@ -14,6 +15,17 @@ from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+#: Where a suite writes its figures: bench/ itself (the tracked files the README's table is made
+#: from), or the folder `retarget bench --quick` names, so a quick run never rewrites them.
+RESULTS_ENV = "RETARGET_BENCH_RESULTS"
+
+
+def results_file(name: str) -> Path:
+    """The file a suite writes its figures `name` to."""
+    folder = Path(os.environ.get(RESULTS_ENV) or Path(__file__).resolve().parent)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
 
 
 def llama(

@@ -25,12 +25,11 @@ import statistics
 import time
 from collections.abc import Iterator
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from common import source_revision
+from common import results_file, source_revision
 
 from retarget.driver.compile import compile_for
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
@@ -46,7 +45,7 @@ SHAPE = dict(hidden=64, heads=4, layers=16, max_seq=512, vocab_size=256)
 BATCH, SEQ = 4, 512
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "5"))
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
-RESULTS_FILE = Path(__file__).with_name("ac_memory.json")
+RESULTS_FILE = results_file("ac_memory.json")
 
 #: config name -> what its benchmark measured; read by the summary.
 RESULTS: dict[str, dict[str, Any]] = {}

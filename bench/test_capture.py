@@ -19,14 +19,13 @@ import statistics
 import time
 from collections.abc import Iterator
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import common
 import pytest
 import torch
 import transformers
-from common import source_revision
+from common import results_file, source_revision
 
 from retarget.driver.compile import compile_for
 
@@ -38,7 +37,7 @@ ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "3"))
 #: 32-layer model swings from 0.17 s to 4 s; with 1 thread it stays near 0.25 s.
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
 BATCH, SEQ, VOCAB = 2, 32, 1024
-RESULTS_FILE = Path(__file__).with_name("results.json")
+RESULTS_FILE = results_file("results.json")
 #: Ratio time(32 layers) / time(2 layers) that region reuse aims for (the issue's goal).
 GOAL_RATIO = 1.5
 

@@ -24,11 +24,10 @@ import json
 import math
 import os
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
-from common import barrier_rounds, source_revision, stepper
+from common import barrier_rounds, results_file, source_revision, stepper
 from compile_arms import conditions, region_compiles
 from test_dist_overhead import rank_batch, tiny_llama
 
@@ -37,7 +36,7 @@ from tests.distributed import run_ranks
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 WARMUP = 2
 CONFIGS = ("ddp+compile", "fsdp+bf16+compile")
-RESULTS_FILE = Path(__file__).with_name("compile_dist.json")
+RESULTS_FILE = results_file("compile_dist.json")
 RESULTS: dict[str, dict] = {}
 
 

@@ -24,16 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from common import interleaved_medians, source_revision
+from common import interleaved_medians, results_file, source_revision
 from compile_arms import ARMS, BF16, FP32, conditions, region_compiles
 
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
-RESULTS_FILE = Path(__file__).with_name("compile_step.json")
+RESULTS_FILE = results_file("compile_step.json")
 RESULTS: dict[str, dict] = {}
 
 ROWS = {

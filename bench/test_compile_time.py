@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import source_revision
+from common import results_file, source_revision
 from compile_arms import conditions
 
 ROUNDS = int(os.environ.get("RETARGET_BENCH_COMPILE_ROUNDS", "2"))
@@ -41,7 +41,7 @@ WHOLE = ("whole", 32)
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
 SCRIPT = Path(__file__).with_name("compile_arms.py")
 ROOT = SCRIPT.parent.parent
-RESULTS_FILE = Path(__file__).with_name("compile_time.json")
+RESULTS_FILE = results_file("compile_time.json")
 LATER_STEPS = 2
 
 #: (arm, layers) measured each round.

@@ -20,18 +20,17 @@ import os
 import platform
 import time
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from common import source_revision
+from common import results_file, source_revision
 from coverage_zoo import ZOO, ZOO_SOURCE
 
 from retarget.driver.compile import compile_for
 
-RESULTS_FILE = Path(__file__).with_name("coverage.json")
+RESULTS_FILE = results_file("coverage.json")
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
 BATCH = 2
 

@@ -28,11 +28,10 @@ import json
 import math
 import os
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
-from common import barrier_rounds, llama, stepper
+from common import barrier_rounds, llama, results_file, stepper
 
 from tests.distributed import run_ranks
 
@@ -40,7 +39,7 @@ ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 WARMUP = 2
 VOCAB, BATCH, SEQ = 1024, 8, 64  # global batch; each of the 2 ranks takes 4 rows
 CONFIGS = ("ddp", "fsdp+bf16")
-RESULTS_FILE = Path(__file__).with_name("dist_overhead.json")
+RESULTS_FILE = results_file("dist_overhead.json")
 RESULTS: dict[str, dict] = {}
 
 

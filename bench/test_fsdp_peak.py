@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
-from common import source_revision
+from common import results_file, source_revision
 from fsdp_memory import ARMS, figures, measure
 
-RESULTS_FILE = Path(__file__).with_name("fsdp_peak.json")
+RESULTS_FILE = results_file("fsdp_peak.json")
 REPEATS = int(os.environ.get("RETARGET_BENCH_PEAK_REPEATS", "3"))
 
 

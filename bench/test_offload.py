@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from common import llama
+from common import llama, results_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "bigload" / "offload.py"
-RESULTS_FILE = Path(__file__).with_name("offload.json")
+RESULTS_FILE = results_file("offload.json")
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 VARIANTS = ("memory", "ours", "ours_prefetch", "accelerate", "cold0", "cold2")
 SHAPE = dict(layers=16, hidden=512, intermediate=1024, heads=8, vocab=8000)

@@ -21,11 +21,10 @@ import functools
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-from common import interleaved_medians, llama, stepper, token_batch
+from common import interleaved_medians, llama, results_file, stepper, token_batch
 from torch.utils.checkpoint import checkpoint
 
 from retarget.driver.compile import compile_for
@@ -34,7 +33,7 @@ ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
 VOCAB, BATCH, SEQ = 1024, 4, 64
 RESULTS: dict[str, dict] = {}
-RESULTS_FILE = Path(__file__).with_name("overhead.json")
+RESULTS_FILE = results_file("overhead.json")
 
 
 def tiny_llama() -> torch.nn.Module:

@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from common import results_file
 
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "peer" / "train.py"
-RESULTS_FILE = Path(__file__).with_name("peer.json")
+RESULTS_FILE = results_file("peer.json")
 REPEATS = int(os.environ.get("RETARGET_BENCH_PEER_REPEATS", "3"))
 TARGETS = ("ddp+bf16", "fsdp")
 FRAMEWORKS = ("accelerate", "retarget")

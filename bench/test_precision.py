@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
-from common import interleaved_medians, llama, stepper, token_batch
+from common import interleaved_medians, llama, results_file, stepper, token_batch
 
 from retarget.driver.compile import compile_for
 
@@ -26,7 +25,7 @@ ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "5"))
 THREADS = int(os.environ.get("RETARGET_BENCH_THREADS", "1"))
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB = 1024, 2816, 2, 16, 1024
 BATCH, SEQ = 2, 64
-RESULTS_FILE = Path(__file__).with_name("precision.json")
+RESULTS_FILE = results_file("precision.json")
 
 
 def trainer(target: str):

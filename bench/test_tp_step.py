@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
-from common import barrier_rounds, stepper
+from common import barrier_rounds, results_file, stepper
 from test_dist_overhead import VOCAB, rank_batch, tiny_llama
 
 from tests.distributed import run_ranks
@@ -30,7 +29,7 @@ from tests.distributed import run_ranks
 ROUNDS = int(os.environ.get("RETARGET_BENCH_ROUNDS", "9"))
 WARMUP = 2
 ARMS = ("one process", "tp[size=2]", "fsdp")
-RESULTS_FILE = Path(__file__).with_name("tp_step.json")
+RESULTS_FILE = results_file("tp_step.json")
 
 
 def _local_bytes(model: torch.nn.Module) -> int:

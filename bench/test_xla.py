@@ -30,11 +30,10 @@ import multiprocessing
 import os
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from common import llama, source_revision, stepper, token_batch
+from common import llama, results_file, source_revision, stepper, token_batch
 
 from retarget.execution import xla_device as xla
 
@@ -46,7 +45,7 @@ WARM_UP = 4
 VOCAB, BATCH, SEQ = 1024, 4, 64
 CASES = {"one device": "xla[spmd=false]", "spmd 4": "xla"}
 RESULTS: dict[str, dict] = {}
-RESULTS_FILE = Path(__file__).with_name("xla.json")
+RESULTS_FILE = results_file("xla.json")
 
 
 def tiny_llama() -> torch.nn.Module:

@@ -41,6 +41,11 @@ from retarget.cli.bench_coverage import coverage_markdown, coverage_rows
 from retarget.cli.bench_plot import PlotError, plot
 from retarget.cli.commands import CliError, Handler, command
 
+#: What `bench/common.py` reads to know where to write (kept equal to its RESULTS_ENV), and the
+#: folder under bench/ a --quick run writes to (ignored by git).
+RESULTS_ENV = "RETARGET_BENCH_RESULTS"
+QUICK_DIR = ".quick"
+
 BEGIN = "<!-- retarget bench table: begin -->"
 END = "<!-- retarget bench table: end -->"
 
@@ -245,6 +250,8 @@ def run_suites(suites: list[Suite], *, quick: bool, bench: Path, out=sys.stdout)
             continue
         print(f"{prefix} running bench/{suite.file} ...", end="", file=out, flush=True)
         env = {**os.environ, **(suite.quick_env if quick else {})}
+        if quick:  # figures of fewer rounds: apart from the tracked files the README reads
+            env[RESULTS_ENV] = str(bench / QUICK_DIR)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(bench.parent), env.get("PYTHONPATH")])
         )
@@ -262,12 +269,16 @@ def run_suites(suites: list[Suite], *, quick: bool, bench: Path, out=sys.stdout)
     return status
 
 
-def collect(suites: list[Suite], bench: Path) -> list[Row]:
+def collect(suites: list[Suite], bench: Path, quick: Iterable[Suite] = ()) -> list[Row]:
+    """Every suite's last figures; those of the suites in `quick` from this --quick run,
+    marked as such (the others are the tracked figures of the last full run)."""
+    fresh = {s.name for s in quick}
     rows: list[Row] = []
     for suite in suites:
-        path = bench / suite.results
+        path = bench / (QUICK_DIR if suite.name in fresh else "") / suite.results
         if path.is_file():
-            rows += suite.rows(json.loads(path.read_text()))
+            found = suite.rows(json.loads(path.read_text()))
+            rows += [(s, f, f"{v} (quick)") for s, f, v in found] if suite.name in fresh else found
     return rows
 
 
@@ -364,10 +375,16 @@ def bench_arguments(parser: argparse.ArgumentParser) -> Handler:
         try:
             where = bench_dir()
             suites = select(args.suites, args.quick)
+            if args.quick and args.write_readme:
+                raise BenchError(
+                    "--quick figures (fewer rounds) are not written into bench/README.md; "
+                    "run the suites without --quick to update the table"
+                )
             status = {} if args.no_run else run_suites(suites, quick=args.quick, bench=where)
-            # Every suite's last figures: running one suite refreshes its rows, not the table.
-            rows = collect(list(SUITES.values()), where)
-            print(table(rows))
+            # Every suite's last figures: running one suite refreshes its rows, not the table;
+            # a quick run's rows are shown marked, from bench/.quick, never the tracked files.
+            ran = [s for s in suites if status.get(s.name) == "ok"] if args.quick else []
+            print(table(collect(list(SUITES.values()), where, quick=ran)))
             if args.write_readme:
                 # The full table is rewritten when a suite of it was selected; a suite with its
                 # own section (coverage) run alone leaves the full table and its date as they are.

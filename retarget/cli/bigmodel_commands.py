@@ -31,13 +31,15 @@ def device_map_arguments(parser: argparse.ArgumentParser) -> Handler:
         metavar="DEVICE=SIZE",
         help="a budget, e.g. cpu=70MB or 0=10GiB (repeat per device; default: free memory)",
     )
-    parser.add_argument("--mode", choices=MODES, default="auto")
+    parser.add_argument(
+        "--mode", choices=MODES, default="auto", help="how blocks are spread over the devices"
+    )
     parser.add_argument("--dtype", help="floating dtype the weights will be loaded in")
     parser.add_argument(
         "--no-split", action="append", default=[], metavar="CLASS", help="class never split"
     )
     parser.add_argument("--inputs", metavar="PKG.MODULE:FN", help="example batch for headroom")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output")
     return run_device_map
 
 

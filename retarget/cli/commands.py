@@ -134,3 +134,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default, unless its help already says it or there is none
+    to show (None: taken from elsewhere, a config file say; False: a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not text:
+            return text
+        return f"{text} (default: %(default)s)"

@@ -10,6 +10,7 @@ is the point of the demo (the compiled model trains).
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.models import synthetic_batch, tiny_lm
+from retarget.report.memory_estimate import estimate_memory
 from retarget.spec.grammar import Target
 
 #: Distinct batches the demo cycles through.
@@ -85,15 +87,27 @@ def run_demo(
 ) -> DemoResult:
     """Compile a seeded TinyLM for `target` and train it `steps` steps with AdamW.
 
-    Progress goes to `stream` (stderr by default).
+    A line saying what it trains, then progress, go to `stream` (stderr by default), from the
+    main process only when launched on several. The activations are measured after training,
+    so the report shows them.
     """
     torch.manual_seed(0)
     model = tiny_lm()
     generator = torch.Generator().manual_seed(0)
     pool = [synthetic_batch(model.config, batch, seq, generator=generator) for _ in range(POOL)]
     compiled = compile_for(model, target, example_inputs=pool[0], capture=capture)
+    main = compiled.runtime.is_main_process
+    stream = (stream or sys.stderr) if main else io.StringIO()  # one rank speaks under launch
+    parameters = sum(p.numel() for p in model.parameters())
+    print(
+        f"retarget demo: a TinyLM ({model.config.layers} blocks, {parameters:,} parameters) "
+        f"compiled for '{compiled.program.target}', trained {steps} steps with AdamW on "
+        f"{POOL} synthetic batches of {batch} x {seq} tokens",
+        file=stream,
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=LEARNING_RATE)
-    bar = ProgressBar(steps, stream or sys.stderr)
+    bar = ProgressBar(steps, stream)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(steps):
@@ -104,4 +118,6 @@ def run_demo(
         losses.append(loss.item())
         bar.update(step + 1, losses[-1])
     bar.close()
-    return DemoResult(compiled, losses, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    estimate_memory(compiled)  # one profiled forward: the report then shows the activations
+    return DemoResult(compiled, losses, seconds)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 import retarget
-from retarget.cli.commands import COMMANDS, CliError
+from retarget.cli.commands import COMMANDS, CliError, DefaultsHelpFormatter
 
 #: The modules whose `@command` functions make the subcommands, in the order `--help` shows.
 COMMAND_GROUPS = (
@@ -42,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version)
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments) in COMMANDS.items():
-        sub = subcommands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(handler=add_arguments(sub))
+        # Every option's --help line shows its default.
+        sub = subcommands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=DefaultsHelpFormatter,
+        )
+        sub.set_defaults(handler=add_arguments(sub), parser=sub)
     return parser
 
 
@@ -51,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the command's own usage, not the top-level one, says what it takes
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # argparse exits for --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     try:

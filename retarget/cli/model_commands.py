@@ -98,7 +98,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 @command("demo", "train the built-in tiny transformer for a few steps, compiled for a target")
 def demo_arguments(parser: argparse.ArgumentParser) -> Handler:
     """`retarget demo [--target T] [--steps N] [--batch B] [--seq S] [--capture MODE]`."""
-    parser.add_argument("--target", default="single", help="target spec (default: single)")
+    parser.add_argument("--target", default="single", help="target spec")
     parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps")
     parser.add_argument("--batch", type=positive_int, default=4, help="sequences per batch")
     parser.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence")
@@ -121,9 +121,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
         result = demo.run_demo(
             target=target, steps=args.steps, batch=args.batch, seq=args.seq, capture=args.capture
         )
-    print(result.compiled.report)
-    print()
-    print(result.summary())
+    if result.compiled.runtime.is_main_process:  # under `retarget launch`, one rank prints
+        print(result.compiled.report)
+        print()
+        print(result.summary())
     return 0
 
 
@@ -147,8 +148,13 @@ def estimate_memory_arguments(parser: argparse.ArgumentParser) -> Handler:
         type=positive_int,
         help="ranks the target shards over (default: this run's world size, else 1)",
     )
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adam",
+        help="the optimizer whose state is counted",
+    )
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output")
     return run_estimate_memory
 
 

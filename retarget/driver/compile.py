@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterable
 from typing import IO, Any
@@ -15,8 +16,9 @@ from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
 from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.program import ExampleInputs, Program
+from retarget.passes.base import Pass
 from retarget.passes.manager import PassManager
-from retarget.passes.pipeline import build_pipeline
+from retarget.passes.pipeline import build_pipeline, place_extra
 from retarget.spec.grammar import Target, TargetError, parse_target
 from retarget.spec.strategies import STRATEGIES
 
@@ -34,6 +36,7 @@ def compile_for(
     print_after: Iterable[str] = (),
     stream: IO[str] | None = None,
     world_size: int | None = None,
+    extra_passes: Iterable[Pass] = (),
 ) -> CompiledModule:
     """Rewrite `model` for `target` and return it as a CompiledModule.
 
@@ -47,6 +50,8 @@ def compile_for(
     names passes to skip; `print_before`/`print_after` name passes around which the region
     graphs are printed to `stream` (stderr by default). `world_size` is the number of processes a
     ddp/fsdp plan is made for (default: the run's own, from torchrun's environment, else 1);
+    `extra_passes` are your own Pass instances, each placed by its contract right after the
+    passes it requires or follows (else after the analyses), before the appliers;
     under a process group of more than one process the plan is applied (DDP or FSDP2),
     in a world of one it is recorded and the report says it was not applied.
 
@@ -65,7 +70,9 @@ def compile_for(
     target = _resolve_target(target, world_size)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    passes = build_pipeline(target, capture=capture, frontends=frontends)
+    passes = place_extra(
+        build_pipeline(target, capture=capture, frontends=frontends), list(extra_passes)
+    )
     manager = PassManager(
         passes,
         verify=verify,
@@ -74,12 +81,14 @@ def compile_for(
         print_after=print_after,
         stream=stream,
     )
+    example = ExampleInputs.of(example_inputs)
+    check_example_call(model, example)
     root = with_mixin(structural_copy(model), CompiledModule)
     program = Program(
         module=root,
         original=model,
         target=target,
-        example=ExampleInputs.of(example_inputs),
+        example=example,
         capture=capture,
         world=World.resolve(world_size),
     )
@@ -89,6 +98,37 @@ def compile_for(
     warn_eager_regions(program)
     note_lonely_processes(program)
     return root
+
+
+def check_example_call(model: nn.Module, example: ExampleInputs | None) -> None:
+    """example_inputs must fit `model.forward` the way compile_for calls it (a tuple is the
+    positional arguments, a dict the keyword arguments, anything else the one argument);
+    refused before anything runs, naming the call, when it does not."""
+    if example is None:
+        return
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: the call itself will tell
+        return
+    try:
+        signature.bind(*example.args, **example.kwargs)
+    except TypeError as error:
+        name = type(model).__name__
+        if example.kwargs and not example.args:
+            keys = ", ".join(f"{k}=..." for k in example.kwargs)
+            how = f"a dict is passed as keyword arguments: {name}.forward({keys})"
+            fix = (
+                "if forward takes the dict itself, pass it as the one positional argument: "
+                f"example_inputs=({{{', '.join(repr(k) + ': ...' for k in example.kwargs)}}},)"
+            )
+        elif example.args and not example.kwargs:
+            how = f"a tuple is passed as positional arguments: {name}.forward(*example_inputs)"
+            fix = "if forward takes the tuple itself, wrap it: example_inputs=(your_tuple,)"
+        else:
+            how, fix = f"{name}.forward(*args, **kwargs)", "match forward's signature"
+        raise ValueError(
+            f"example_inputs does not fit {name}.forward{signature}: {how} fails ({error}); {fix}"
+        ) from None
 
 
 def _refuse_weightless(model: nn.Module) -> None:

@@ -249,8 +249,9 @@ def describe(plan: LaunchPlan) -> str:
     how = "directly" if plan.direct else f"torchrun on {rendezvous}"
     return (
         f"retarget launch: {plan.script} on {plan.num_processes} process"
-        f"{'es' if plan.num_processes > 1 else ''} ({machines}, {how}), target {plan.target} "
-        f"({plan.target_origin}), config {plan.config_file or 'none'}"
+        f"{'es' if plan.num_processes > 1 else ''} ({machines}, {how}), launched target "
+        f"{plan.target} ({plan.target_origin}; what compile_for and the Accelerator use when the "
+        f"script names none), config {plan.config_file or 'none'}"
         + (f"; {plan.derived}" if plan.derived else "")
     )
 

@@ -111,3 +111,27 @@ def build_pipeline(
         capture = "whole"  # compile[scope=whole] compiles the model as one captured graph
     options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
     return [p for _, pass_class in STAGES for p in pass_class.stage(target, options)]
+
+
+def place_extra(passes: list[Pass], extra: list[Pass]) -> list[Pass]:
+    """`passes` with each of `extra` placed by its contract: right after the last pass it
+    `requires` (a pass name, or a pass providing the token) or is declared `after`, else after
+    the analyses (find_blocks, capture_regions, annotate_shapes); never after the appliers
+    unless it names one. The result is checked by the PassManager like any list."""
+    placed = list(passes)
+    analyses = {"find_blocks", "capture_regions", "annotate_shapes"}
+    for pass_ in extra:
+        if not isinstance(pass_, Pass):
+            raise TypeError(f"extra_passes takes Pass instances, got {type(pass_).__name__}")
+        needs = set(pass_.requires) | set(pass_.after)
+        anchors = [
+            i
+            for i, p in enumerate(placed)
+            if p.name in needs or needs & set(p.provides) or (not needs and p.name in analyses)
+        ]
+        index = max(anchors) + 1 if anchors else 0
+        appliers = [i for i, p in enumerate(placed) if p.applies]
+        if appliers and index > appliers[0] and not any(placed[i].name in needs for i in appliers):
+            index = appliers[0]
+        placed.insert(index, pass_)
+    return placed

@@ -22,6 +22,11 @@ from retarget.report.module_decisions import GLUE, INSIDE, REPEAT, how_captured,
 
 #: Graph nodes drawn per region before the rest is folded into one "... N more" node.
 GRAPH_NODE_CAP = 400
+#: The figure is scaled down to fit this (inches: a screen), never up.
+FIGURE_SIZE = "14,9"
+#: Nodes that check a capture's inputs and compute nothing (torch.export's guards and metadata
+#: asserts): left out of the drawing, counted in the region's title.
+CHECK_TARGETS = frozenset({"_guards_fn", "_assert_tensor_metadata", "_assert_scalar"})
 
 ROLE_COLORS = {REPEAT: "#7fb3e6", INSIDE: "#d6e6f5", GLUE: "#f2e6c9"}
 #: Graph node (shape, fill) by fx op.
@@ -59,14 +64,16 @@ def render_dot(program: Program, max_nodes: int = GRAPH_NODE_CAP) -> str:
     title = _q(program_title(program))
     lines = [
         "digraph retarget {",
-        f"  graph [compound=true, labelloc=t, fontname=Helvetica, label={title}];",
+        f"  graph [compound=true, labelloc=t, fontname=Helvetica, label={title}, "
+        f'size="{FIGURE_SIZE}", ratio=compress];',
         '  node [fontname=Helvetica, fontsize=10, shape=box, style="rounded,filled"];',
         "  edge [arrowsize=0.6];",
         *_dot_tree(program, max_nodes),
     ]
     stages = region_stages(program)
     for index, region in enumerate(program.regions):
-        lines += _dot_region(index, region, stages.get(region.name, []), max_nodes)
+        checkpointed = _checkpointed(program, region)
+        lines += _dot_region(index, region, stages.get(region.name, []), max_nodes, checkpointed)
     lines += _dot_legend()
     return "\n".join([*lines, "}"]) + "\n"
 
@@ -84,7 +91,10 @@ def _dot_tree(program: Program, max_nodes: int) -> list[str]:
     for row in rows[:max_nodes]:
         label = f"{row.path.rpartition('.')[2] or '<root>'}\n{row.cls}\n{row.params:,} params"
         label += f"\n+{row.folded} submodules as repeat 1" if row.folded else ""
+        policy = _checkpoint_policy(program, row.path)
+        label += f"\nac: {policy}" if policy else ""
         attrs = f"label={_q(label)}, fillcolor={_q(ROLE_COLORS[row.role])}"
+        attrs += ', penwidth=3, color="#6a3d9a"' if policy else ""
         lines.append(f"    {_q('mod:' + row.path)} [{attrs}, tooltip={_q(row.decision)}];")
         parent = row.path.rpartition(".")[0]
         if row.path and parent in shown:
@@ -94,15 +104,22 @@ def _dot_tree(program: Program, max_nodes: int) -> list[str]:
     return [*lines, "  }"]
 
 
-def _dot_region(index: int, region: Region, stages: list, max_nodes: int) -> list[str]:
+def _dot_region(
+    index: int, region: Region, stages: list, max_nodes: int, checkpointed: str = ""
+) -> list[str]:
     cluster = f"cluster_region_{index}"
     title = f"region {region.name}\n{region.block_type} x{region.repeats}, {how_captured(region)}"
-    lines = [f"  subgraph {cluster} {{", f'    label={_q(title)}; style="rounded,dashed";']
+    title += f"\n{checkpointed}" if checkpointed else ""
     captured = region.representative()
     if captured is None:
+        lines = [f"  subgraph {cluster} {{", f'    label={_q(title)}; style="rounded,dashed";']
         lines.append(f'    "r{index}:none" [label={_q(how_captured(region))}, shape=note];')
         return [*lines, "  }"]
-    nodes = list(captured.gm.graph.nodes)
+    every = list(captured.gm.graph.nodes)
+    nodes = [n for n in every if not is_check(n)]
+    if len(nodes) < len(every):
+        title += f"\n({len(every) - len(nodes)} input checks not drawn)"
+    lines = [f"  subgraph {cluster} {{", f'    label={_q(title)}; style="rounded,dashed";']
     shown = nodes[:max_nodes]
     changes = node_changes(stages)
     lines += [
@@ -121,6 +138,30 @@ def _dot_region(index: int, region: Region, stages: list, max_nodes: int) -> lis
     # Ties each repeat's module to the graph that computes it, without moving the layout.
     link = f"{_q('mod:' + region.paths[0])} -> {_q(f'r{index}:{nodes[0].name}')}"
     return [*lines, "  }", f"  {link} [lhead={cluster}, style=dashed, constraint=false];"]
+
+
+def is_check(node: fx.Node) -> bool:
+    """A node that checks the capture's inputs and computes nothing drawn."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.op in ("call_module", "call_function") and (
+        name in CHECK_TARGETS or name.removesuffix(".default") in CHECK_TARGETS
+    )
+
+
+def _checkpoint_policy(program: Program, path: str) -> str:
+    plan = (program.analysis.checkpoint or {}).get("plan", {})
+    policy = plan.get(path, "none")
+    return "" if policy == "none" else policy
+
+
+def _checkpointed(program: Program, region: Region) -> str:
+    """`ac: 2 of 2 repeats (full)`: which repeats of the region recompute in backward."""
+    policies = [_checkpoint_policy(program, path) for path in region.paths]
+    chosen = [p for p in policies if p]
+    if not chosen:
+        return ""
+    kinds = ", ".join(sorted(set(chosen)))
+    return f"ac: {len(chosen)} of {len(policies)} repeats ({kinds})"
 
 
 def _node_attrs(node: fx.Node, change: Change | None) -> str:

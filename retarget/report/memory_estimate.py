@@ -159,14 +159,16 @@ def estimate_memory(
     trained = [p for p in params if p.requires_grad]
     profile = program.analysis.activation_profile
     if profile is None and run and program.example is not None:
-        profile = _profile_now(program)
+        # Kept: activation sizes follow the example inputs' shapes, not the weights, so the
+        # report (which never runs the model) shows them from now on.
+        profile = program.analysis.activation_profile = _profile_now(program)
     plan = (program.analysis.checkpoint or {}).get("plan", {})
     if profile is None and program.example is None:
         notes.append("activations unknown: no example inputs to profile a forward with")
     elif profile is None:
         notes.append(
-            "activations not measured here (it takes a forward): estimate_memory(compiled) or "
-            "`retarget estimate-memory` measures them"
+            "activations not measured yet (a report never runs the model): "
+            "estimate_memory(compiled) runs one profiled forward and keeps the figures"
         )
     if target.strategy == "ddp":
         notes.append(

@@ -25,7 +25,8 @@ class Report:
         p = self.program
         return {
             "target": str(p.target),
-            "capture": p.capture,
+            "capture": _capture_in_effect(p),
+            "capture_asked": p.capture,
             "lazy": p.example is None,
             "model": type(p.original).__name__,
             "parameters": sum(t.numel() for t in p.original.parameters()),
@@ -184,3 +185,13 @@ def _table(rows: list[tuple[str, ...]], limit: int = 90) -> list[str]:
         "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
+
+
+def _capture_in_effect(program: Program) -> str:
+    """The capture mode that ran: capture="whole" falls back to regions when the whole model
+    cannot be captured, and the report says so with the reason, not "whole"."""
+    if program.capture != "whole" or any(r.paths == [""] for r in program.regions):
+        return program.capture
+    record = next((r for r in program.history if r.name == "capture_regions"), None)
+    why = next((n for n in (record.notes if record else ()) if n.startswith("whole model")), "")
+    return f"regions (asked whole; {why})" if why else "regions (asked whole)"

@@ -172,3 +172,31 @@ def test_offload_rows_read_the_offload_suites_figures():
     assert ("disk offload", "time_per_token ours / Accelerate", "0.39x") in rows
     assert ("disk offload", "cold load time hidden by prefetch", "57%") in rows
     assert ("disk offload", "RssAnon growth / (budget + largest block)", "0.65x") in rows
+
+
+FAKE_SUITE = """
+import json, os, pathlib
+
+def test_figures(benchmark):
+    benchmark(lambda: None)
+    folder = pathlib.Path(os.environ.get("RETARGET_BENCH_RESULTS") or pathlib.Path(__file__).parent)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "overhead.json").write_text(json.dumps({"bf16": {"ratio compiled / by hand": 2.5}}))
+"""
+
+
+@pytest.mark.distributed  # the suite runs in its own pytest process
+def test_quick_writes_apart_from_the_tracked_figures_and_marks_its_rows(
+    tmp_path, monkeypatch, capsys
+):
+    where = _bench_dir(tmp_path)
+    tracked = (where / "overhead.json").read_text()
+    (where / "test_overhead.py").write_text(FAKE_SUITE)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--quick", "overhead", "--write-readme"]) == 2
+    assert "not written into bench/README.md" in capsys.readouterr().err
+    assert main(["bench", "--quick", "overhead"]) == 0
+    out = capsys.readouterr().out
+    assert "2.500 (quick)" in out and "fsdp peak memory" in out  # the rest: the tracked figures
+    assert (where / "overhead.json").read_text() == tracked
+    assert (where / ".quick" / "overhead.json").is_file()

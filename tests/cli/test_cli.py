@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from retarget.cli.main import main
 from retarget.ir.program import PassRecord
 from retarget.models import TinyConfig, synthetic_batch, tiny_lm
 from retarget.report import render
-from retarget.report.dot_figure import CHANGE_STYLES
+from retarget.report.dot_figure import CHANGE_STYLES, is_check
 from retarget.report.module_decisions import GLUE, REPEAT
 from tests.paths import REPO
 
@@ -101,6 +102,17 @@ def test_inspect_dot_has_tree_and_one_cluster_per_region(capsys):
     # Only the spine passes ran: no node is highlighted (the colors appear in the legend only).
     for fill, _, _ in CHANGE_STYLES.values():
         assert out.count(fill) == 1
+    # Scaled to fit a screen; export's input checks are counted, not drawn.
+    assert 'size="14,9", ratio=compress' in out
+    assert "_guards_fn" not in out and "_assert_tensor_metadata" not in out
+    assert "input checks not drawn" in out
+
+
+def test_inspect_dot_shows_which_repeats_recompute(capsys):
+    code, out, _ = run(capsys, "inspect", *LLAMA, "--target", "ac[every=2]", "--format", "dot")
+    assert code == 0
+    assert "ac: 1 of 2 repeats (full)" in out  # the region's title
+    assert out.count("\\nac: full") == 1  # the checkpointed repeat in the module tree
 
 
 @needs_dot
@@ -218,6 +230,24 @@ def test_demo_trains_and_prints_report_and_loss(capsys):
     assert "loss: first " in out and "over 3 steps" in out
     # stderr is not a terminal under pytest: plain progress lines, no carriage returns.
     assert "step 3/3  loss " in err and "\r" not in err
+    # It says first what it trains; the report shows the activations it measured after training.
+    assert err.startswith("retarget demo: a TinyLM (2 blocks, ")
+    assert "for 'single', trained 3 steps with AdamW on 4 synthetic batches of 2 x 8" in err
+    assert "activations not measured" not in out and "activations unknown" not in out
+
+
+@pytest.mark.distributed
+def test_demo_under_launch_speaks_from_one_rank(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "retarget", "launch", "-q", "--num_processes", "2", "-m"]
+        + ["retarget", "demo", "--steps", "2", "--batch", "2", "--seq", "8", "--target", "ddp"],
+        cwd=tmp_path, env={**env, "HOME": str(tmp_path), "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("retarget report: TinyLM") == 1
+    assert done.stderr.count("retarget demo: a TinyLM") == 1
 
 
 def test_demo_rejects_sequence_longer_than_rotary_tables(capsys):
@@ -293,8 +323,33 @@ def test_text_shows_diff_of_later_pass(rewritten_program):
 
 def test_dot_caps_large_graphs(rewritten_program):
     program, _, _ = rewritten_program
-    total = len(program.regions[0].representative().gm.graph.nodes)
+    nodes = program.regions[0].representative().gm.graph.nodes
+    total = sum(not is_check(n) for n in nodes)  # export's input checks are not drawn
     dot = render.render_dot(program, max_nodes=5)
     assert f'"r0:..." [label="... {total - 5} more"' in dot
     defined = [line for line in dot.splitlines() if line.strip().startswith('"r0:') and "[" in line]
     assert len(defined) == 5 + 1  # five drawn nodes and the fold
+
+
+def test_every_option_with_a_default_shows_it_in_help():
+    import argparse
+
+    from retarget.cli.main import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, sub in commands.choices.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+                continue
+            if f"default: {action.default}" not in text and "default" not in (action.help or ""):
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
+
+
+def test_an_unknown_flag_gets_the_commands_usage(capsys):
+    assert main(["launch", "--no-such-flag", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: retarget launch") and "unrecognized arguments: --no-such" in err

@@ -80,6 +80,7 @@ def test_whole_capture_runs_the_root_graph():
     compiled = retarget.compile_for(model, example_inputs=entry.inputs(2), capture="whole")
     (region,) = compiled.program.regions
     assert region.paths == [""] and region.frontend == "export"
+    assert compiled.report.to_dict()["capture"] == "whole"
     out = call(compiled, entry.inputs(2))
     assert type(out).__name__ == "CausalLMOutputWithPast" and out.loss is not None
 
@@ -93,6 +94,11 @@ def test_whole_capture_of_a_decoder_returning_its_cache_falls_back_to_regions():
     assert region.paths == ["model.layers.0", "model.layers.1"] and region.frontend == "export"
     notes = next(r.notes for r in compiled.history if r.name == "capture_regions")
     assert any("whole model not capturable" in n and "DynamicCache" in n for n in notes)
+    # The report says what ran: regions, asked whole, and why not whole.
+    report = compiled.report.to_dict()
+    assert report["capture_asked"] == "whole"
+    assert report["capture"].startswith("regions (asked whole; whole model not capturable")
+    assert "capture: regions (asked whole;" in str(compiled.report)
 
 
 def test_lazy_capture_without_example_inputs():
@@ -291,3 +297,26 @@ def test_one_process_target_in_a_multi_process_run_is_refused(monkeypatch):
         retarget.compile_for(nn.Linear(2, 2), "bf16")
     with pytest.raises(retarget.TargetError, match="'single' trains on one process"):
         retarget.compile_for(nn.Linear(2, 2))
+
+
+class _TakesADict(nn.Module):
+    """forward(batch): the whole dict is the one argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.linear(batch["x"])
+
+
+def test_example_inputs_that_do_not_fit_forward_are_refused_naming_the_call():
+    model, x = _TakesADict(), torch.randn(3, 4)
+    expected = (
+        r"example_inputs does not fit _TakesADict.forward\(batch\): a dict is passed as keyword "
+        r"arguments: _TakesADict.forward\(x=...\) fails .*example_inputs=\(\{'x': ...\},\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        retarget.compile_for(model, "single", example_inputs={"x": x})
+    compiled = retarget.compile_for(model, "single", example_inputs=({"x": x},))
+    assert torch.equal(compiled({"x": x}), model({"x": x}))

@@ -66,3 +66,7 @@ def test_flags_win_over_slurm_and_the_launch_line_says_what_was_derived(tmp_path
     assert plan.num_processes == 2 and plan.num_machines == 2 and plan.machine_rank == 1
     assert plan.main_process_ip == "gpu07"
     assert "from SLURM job 4242" in describe(plan)
+    # The target is the launched one, which a script that names its own does not use.
+    assert "launched target ddp (default for 2 processes; what compile_for and the " in (
+        describe(plan)
+    )

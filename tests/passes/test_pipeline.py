@@ -13,8 +13,9 @@ from retarget.core.errors import PassOrderError, TargetNotSupportedError
 from retarget.execution import xla_device as xla
 from retarget.models.tiny_llama import synthetic_batch, tiny_lm
 from retarget.passes import pipeline
+from retarget.passes.base import Pass, PassResult
 from retarget.passes.manager import PassManager, check_order
-from retarget.passes.pipeline import STAGES, build_pipeline
+from retarget.passes.pipeline import STAGES, build_pipeline, place_extra
 from retarget.passes.shard import shard_ddp
 from retarget.spec.grammar import parse_target
 
@@ -146,3 +147,45 @@ def _alone(part: str) -> str:
     """A valid target naming `part`: parts that need a strategy or precision get one."""
     needs = {"offload": "fsdp+offload", "fp16-comm": "ddp+fp16-comm", "bf16-comm": "ddp+bf16-comm"}
     return needs.get(part, "ddp+powersgd" if part == "powersgd" else part)
+
+
+class _Counting(Pass):
+    name = "count_linears"
+    summary = "count nn.Linear modules"
+
+    def run(self, program):
+        n = sum(isinstance(m, torch.nn.Linear) for m in program.module.modules())
+        return PassResult(changed=False, stats={"linears": n})
+
+
+def test_extra_passes_are_placed_by_their_contracts_and_run():
+    base = build_pipeline(parse_target("ddp+bf16+ac"))
+
+    def position(**declared) -> list[str]:
+        extra = type("Extra", (_Counting,), declared)()
+        return [p.name for p in place_extra(base, [extra])]
+
+    assert position(requires=("regions",))[:3] == [
+        "find_blocks",
+        "capture_regions",
+        "count_linears",
+    ]
+    assert position(after=("insert_autocast",)).index("count_linears") == 4
+    assert position()[3] == "count_linears"  # no needs: after the analyses
+    named = position(after=("shard_ddp",))  # past the last decision, never past the appliers
+    assert named[-3:] == ["shard_ddp", "count_linears", "apply_plan"]
+    model = tiny_lm()
+    batch = synthetic_batch(
+        model.config, batch=2, seq=8, generator=torch.Generator().manual_seed(0)
+    )
+    compiled = retarget.compile_for(
+        model,
+        "bf16",
+        example_inputs=batch,
+        extra_passes=[_Counting()],
+        print_after=["count_linears"],
+    )
+    record = next(r for r in compiled.history if r.name == "count_linears")
+    assert record.stats == {"linears": 7 * model.config.layers + 1}  # q k v o, gate up down
+    with pytest.raises(TypeError, match="extra_passes takes Pass instances"):
+        retarget.compile_for(model, "single", extra_passes=[lambda program: None])

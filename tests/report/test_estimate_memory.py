@@ -154,9 +154,13 @@ def test_report_without_a_profile_runs_nothing_and_says_so():
     assert memory["activations"] is None and memory["parameters"] > 0
     text = str(compiled.report)
     assert re.search(r"activations +unknown +see note", text)
-    assert "activations not measured here (it takes a forward)" in text
+    assert "activations not measured yet (a report never runs the model)" in text
     bare = retarget.compile_for(entry.factory())
     assert "no example inputs to profile a forward with" in str(bare.report)
+    # Once estimate_memory has run the profiled forward, the report shows its figures.
+    measured = estimate_memory(compiled)
+    assert compiled.report.to_dict()["memory"]["activations"] == measured.activations
+    assert "activations not measured" not in str(compiled.report)
 
 
 def test_cli_estimate_memory_shards_and_checkpoints(capsys):
