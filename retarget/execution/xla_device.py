@@ -70,6 +70,31 @@ def device() -> torch.device:
     return torch_xla_or_refuse().device()
 
 
+#: The message when a CPU backward ran before XLA's runtime started.
+ENGINE_SIZED_BEFORE_XLA = (
+    "xla: this process ran a backward on the CPU before torch_xla's runtime started, so "
+    "torch's autograd engine has no queue for the XLA device and the first XLA backward fails "
+    "inside it (torch_xla alone does the same). Build the XLA model (compile_for(model, 'xla')) "
+    "before any other backward in the process, or train it in a fresh process"
+)
+
+
+@functools.cache
+def check_backward_runs() -> None:
+    """One backward of a one-element XLA tensor, which must succeed before training: torch's
+    autograd engine sizes its per-device queues at its first backward, and a CPU backward before
+    XLA's runtime started leaves none for XLA (an internal assert at the first XLA backward).
+    Refused with what to do. Call it after SPMD is switched on, if it is to be."""
+    x = torch.ones((), device=device(), requires_grad=True)
+    try:
+        (x * 2).backward()
+    except RuntimeError as error:
+        if "device_ready_queues_" in str(error) or "INTERNAL ASSERT" in str(error):
+            raise TargetNotSupportedError(ENGINE_SIZED_BEFORE_XLA) from None
+        raise
+    sync(wait=True)  # the probe's graph runs now, not inside the first training step
+
+
 def device_count() -> int:
     """XLA devices this process addresses (PJRT_DEVICE=CPU: CPU_NUM_DEVICES)."""
     torch_xla_or_refuse()

@@ -145,6 +145,7 @@ def apply_xla(program: Program) -> None:
     if plan.spmd:
         xla.enable_spmd()
     device = xla.device()
+    xla.check_backward_runs()  # a CPU backward before XLA's runtime: refused, saying what to do
     module = program.module
     module.to(device)
     for name, param in module.named_parameters():

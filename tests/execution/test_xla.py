@@ -237,3 +237,24 @@ def test_the_accelerator_under_pjrt_trains_on_xla():
     assert (got["target"], got["type"]) == ("xla", "XLA")
     assert got["device"].startswith("xla")
     _close(got["losses"], got["reference"], 1e-5)
+
+
+def _cpu_backward_first(rank: int, world: int) -> str:
+    """A CPU backward, then compile_for for xla: the refusal's message (or "trained")."""
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()
+    try:
+        retarget.compile_for(_mlp(), "xla[spmd=false]", example_inputs=torch.randn(4, 8))
+    except TargetNotSupportedError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.distributed
+@needs_xla
+def test_a_cpu_backward_before_xla_is_refused_saying_what_to_do():
+    """torch's autograd engine sizes its device queues at its first backward; after a CPU one
+    the first XLA backward would die on an internal assert (torch_xla alone does the same)."""
+    (message,) = run_ranks(_cpu_backward_first, 1, timeout=300)
+    assert "ran a backward on the CPU before torch_xla's runtime started" in message
+    assert "before any other backward in the process, or train it in a fresh process" in message
