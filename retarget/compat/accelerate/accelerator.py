@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from retarget.compat.accelerate.accelerate_state import share_state_with_accelerate
 from retarget.compat.accelerate.arguments import (
     DistributedType,
     accumulation_steps,
@@ -164,6 +165,7 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         self._dataloaders: list[Any] = []
         self._accumulating = False
         self.step = 0
+        share_state_with_accelerate(process)  # accelerate.logging and co., when imported
 
     # -------------------------------- who and where: rank, device, ... (ProcessStateFacade)
 

@@ -362,6 +362,27 @@ def test_save_and_load_state_with_numbered_folders(tmp_path):
         accelerator.load_state(tmp_path / "foreign")
 
 
+def test_accelerates_logging_works_when_only_the_accelerator_is_swapped(caplog):
+    """Every transformers example logs through accelerate.logging.get_logger, which needs
+    Accelerate's state: retarget.Accelerator sets it up when accelerate was imported."""
+    from accelerate.logging import get_logger
+    from accelerate.state import PartialState
+
+    PartialState._reset_state()
+    try:
+        with pytest.raises(RuntimeError, match="initialize the accelerate state"):
+            get_logger("swapped").info("before", main_process_only=False)
+        Accelerator()
+        logger = get_logger("swapped")
+        with caplog.at_level("INFO"):
+            logger.info("on every process", main_process_only=False)
+            logger.info("on the main process")
+        assert "on every process" in caplog.text and "on the main process" in caplog.text
+        assert PartialState().process_index == 0 and PartialState().num_processes == 1
+    finally:
+        PartialState._reset_state()
+
+
 def test_save_state_writes_into_a_folder_that_exists_as_accelerate_does(tmp_path):
     """An empty folder (a TemporaryDirectory, a makedirs'd output dir) is written; one holding
     other files (a save hook's, the user's) is written into with a warning, its files kept."""
