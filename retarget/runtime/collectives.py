@@ -9,7 +9,8 @@ a description of the structure (paths, shapes, dtypes), checks it is the same on
 moves each tensor: padded to a common size and trimmed back, and refused dtypes travel as bytes.
 
 Every function takes the `ProcessState` first (None means `ProcessState.current()`), and in a
-world of one returns its input unchanged.
+world of one returns its input unchanged (gather_for_metrics still cuts a loader's short last
+batch to its real samples).
 
     >>> gather(state, {"pred": preds})            # rank 0: 3 rows, rank 1: 2 rows
     {'pred': tensor of 5 rows}                     # on every rank, in rank order
@@ -103,12 +104,15 @@ def gather_object(state: ProcessState | None, obj: Any) -> list[Any]:
 def gather_for_metrics(
     state: ProcessState | None, data: Any, *, use_gather_object: bool = False
 ) -> Any:
-    """`gather`, minus the samples `even_batches` duplicated: exactly the dataset over an epoch.
+    """`gather`, cut to the real samples of the last round: exactly the dataset over an epoch.
 
     Call it on per-sample values (first dimension = the batch) of each batch of a
-    `ShardedDataLoader`. On the loader's last batch, the wrap-around samples that completed the
-    last round are dropped (the loader's `remainder` real ones are kept), so concatenating the
-    results over the epoch gives every sample once, in the sampler's order.
+    `ShardedDataLoader`. On the loader's last batch, when the last round is short of a full
+    step, the result keeps its first `remainder` rows (the loader's real samples of that round):
+    the wrap-around samples `even_batches` added are dropped, and so are rows a value has per
+    batch slot rather than per sample (`loss.repeat(batch_size)`), in a world of one too, as
+    Accelerate does. So concatenating the results over the epoch gives every sample once, in
+    the sampler's order. Scalars (0-dim tensors) pass through whole.
 
     Tensors are gathered as by `gather`; lists of plain objects (a batch's strings) are
     concatenated across ranks like tensors, through one `all_gather_object`; a lone object
@@ -116,25 +120,49 @@ def gather_for_metrics(
     through `gather_object` instead (which concatenates lists).
     """
     state = _resolve(state)
+    keep = _real_rows_of_last_round(state)
     if not state.distributed:
-        return data  # a world of one never pads: nothing to drop
+        if keep is None:
+            return data
+        return map_structure(lambda leaf: _first_rows(leaf, keep), data, _is_sample_leaf)
+    if use_gather_object:
+        gathered = gather_object(state, data)
+        return gathered[:keep] if keep is not None and isinstance(data, (list, tuple)) else gathered
+    return _gather_samples(state, data, keep)
+
+
+def _real_rows_of_last_round(state: ProcessState) -> int | None:
+    """How many rows gather_for_metrics keeps now: the loader's `remainder` while its last
+    batch is processed and that round is short of a full step; None (keep all) otherwise."""
     loader = active_loader()
-    keep = None
-    if loader is not None and loader.end_of_dataloader:
-        if loader.duplicates < 0:
+    if loader is None or not loader.end_of_dataloader:
+        return None
+    if loader.duplicates < 0 or loader.remainder < 0:
+        if state.distributed:
             warnings.warn(
                 "gather_for_metrics: the loader cannot tell how many samples of its last batch "
                 "are wrap-around duplicates (an IterableDataset without len() read by worker "
                 "processes); the last batch is returned whole. Use even_batches=False or "
                 "num_workers=0 for exact metrics.",
-                stacklevel=2,
+                stacklevel=3,
             )
-        elif loader.duplicates > 0:
-            keep = loader.remainder
-    if use_gather_object:
-        gathered = gather_object(state, data)
-        return gathered[:keep] if keep is not None and isinstance(data, (list, tuple)) else gathered
-    return _gather_samples(state, data, keep)
+        return None
+    full = loader.total_batch_size
+    if loader.duplicates > 0 or (full is not None and loader.remainder < full):
+        return loader.remainder
+    return None
+
+
+def _is_sample_leaf(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or _is_object_leaf(value)
+
+
+def _first_rows(leaf: Any, keep: int) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf[:keep] if leaf.dim() else leaf
+    if isinstance(leaf, (list, tuple)) and not hasattr(type(leaf), "_fields"):
+        return type(leaf)(leaf[:keep])
+    return leaf
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def test_collectives_in_a_world_of_one():
     accelerator = Accelerator()
     data = {"a": torch.arange(3), "b": [torch.ones(2)]}
     assert accelerator.gather(data) is data
-    assert accelerator.gather_for_metrics(data) is data
+    assert accelerator.gather_for_metrics(data) is data  # outside a loader's last batch
     assert torch.equal(accelerator.reduce(torch.tensor([2.0]), scale=0.5), torch.tensor([1.0]))
     assert accelerator.pad_across_processes(data, dim=0) is data
 

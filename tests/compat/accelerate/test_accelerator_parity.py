@@ -125,6 +125,28 @@ def test_values_agree_with_accelerates_in_a_world_of_one(theirs):
     assert list(ours.rng_types) == theirs.rng_types
 
 
+@pytest.mark.parametrize("n,drop_last", [(10, False), (8, False), (10, True)])
+def test_gather_for_metrics_cuts_the_last_batch_as_accelerates_in_a_world_of_one(
+    theirs, n, drop_last
+):
+    """Values with a row per batch slot (an eval loss as `loss.repeat(batch_size)`) keep only
+    the real samples' rows at a short last batch; a full or dropped one stays whole."""
+
+    def gathered(accelerator):
+        loader = accelerator.prepare(
+            DataLoader(TensorDataset(torch.arange(float(n))), batch_size=4, drop_last=drop_last)
+        )
+        rows = []
+        for (x,) in loader:
+            loss = x.mean()
+            out = accelerator.gather_for_metrics({"loss": loss.repeat(4), "x": x})
+            rows.append((out["loss"].shape[0], out["x"].tolist()))
+            assert accelerator.gather_for_metrics(loss).dim() == 0  # a scalar passes whole
+        return rows
+
+    assert gathered(Accelerator()) == gathered(theirs)
+
+
 # ------------------------------------------------------------------------------ behaviour
 
 
