@@ -104,6 +104,9 @@ class FsdpPlan:
     mesh_dims: tuple[str, ...]
     reshard_after_forward: bool
     sync_module_states: bool
+    load_from_rank0: bool = False
+    """cpu_ram_efficient_loading: after sharding, every rank takes its shards of rank 0's values
+    (the other ranks' own weights, placeholders or not, are never read)."""
     state_dict: str
     """sharded (DTensor shards) or full (whole tensors, gathered on every rank)."""
     param_dtype: str | None

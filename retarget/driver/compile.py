@@ -14,6 +14,7 @@ from retarget.core.modules import released, structural_copy, with_mixin
 from retarget.core.slots import OFFLOAD, PROGRAM
 from retarget.core.world import World, launch_environment, launched_target
 from retarget.driver.compiled import CompiledModule
+from retarget.execution.rank0_loading import asks_rank0_loading, give_placeholders
 from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.base import Pass
@@ -66,8 +67,10 @@ def compile_for(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_for takes an nn.Module, got {type(model).__name__}")
-    _refuse_weightless(model)
     target = _resolve_target(target, world_size)
+    if asks_rank0_loading(target) and _rank() not in (None, 0):
+        give_placeholders(model)  # rank 0's values replace them after sharding
+    _refuse_weightless(model)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     passes = place_extra(
@@ -98,6 +101,16 @@ def compile_for(
     warn_eager_regions(program)
     note_lonely_processes(program)
     return root
+
+
+def _rank() -> int | None:
+    """This process's rank in a run of several processes, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    env = launch_environment()
+    return env.rank if env.world_size > 1 else None
 
 
 def check_example_call(model: nn.Module, example: ExampleInputs | None) -> None:
@@ -132,7 +145,8 @@ def check_example_call(model: nn.Module, example: ExampleInputs | None) -> None:
 
 
 def _refuse_weightless(model: nn.Module) -> None:
-    """compile_for runs the model to capture it: its weights must be there (or mapped)."""
+    """compile_for runs the model to capture it: its weights must be there (or mapped), except
+    on the ranks other than 0 under cpu_ram_efficient_loading (given placeholders before)."""
     dispatched = OFFLOAD.get(model) is not None
     emptied = next((n for n, p in model.named_parameters() if released(p)), None)
     if emptied:
@@ -152,7 +166,9 @@ def _refuse_weightless(model: nn.Module) -> None:
             f"compile_for: the model {what}; capture runs the model, so it needs its weights. "
             "Load the checkpoint memory-mapped (load_checkpoint_in_model(model, path, "
             "mmap=True): no memory is taken) and add the stream part to the target "
-            "(e.g. 'bf16+stream[from=disk,max_memory=2GB]') to run it within a budget"
+            "(e.g. 'bf16+stream[from=disk,max_memory=2GB]') to run it within a budget. "
+            "To train sharded, only rank 0 needs the weights: "
+            "'fsdp[cpu_ram_efficient_loading=true]' takes a meta model on the other ranks"
         )
 
 

@@ -14,7 +14,9 @@ the process group from torchrun's environment), and:
 - FSDP2: `fully_shard` on each planned unit (repeated blocks, then the root) over a 1-D mesh, or
   a (replicate, shard) mesh for hsdp, with the MixedPrecisionPolicy and CPUOffloadPolicy of the
   plan. fully_shard re-classes modules as dynamic subclasses, as we do, so keys and `isinstance`
-  hold; parameters become DTensor shards.
+  hold; parameters become DTensor shards. With `load_from_rank0` (cpu_ram_efficient_loading)
+  the shards then take rank 0's values (execution.rank0_loading) instead of a broadcast of the
+  whole model before sharding.
 - tp: torch's parallel styles over the "tp" dim (execution.apply_tp); with fsdp/zero2/zero3
   beside it, then fully_shard per unit over "dp", with execution.tp_fsdp placing what FSDP2 cannot
   shard as is (fused parts on dim 0) and summing the gradients of the parameters tp keeps whole
@@ -48,6 +50,7 @@ from retarget.core.plans import AppliedPlan, FsdpPlan
 from retarget.core.slots import APPLIED, OUTER_FORWARD
 from retarget.execution.module_call import own_forward
 from retarget.execution.process import ProcessState
+from retarget.execution.rank0_loading import collect_full, load_shards
 from retarget.execution.step_guard import install_guard
 from retarget.ir.program import Program
 
@@ -246,10 +249,13 @@ def _apply_fsdp(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    full: dict[str, torch.Tensor] = {}
     if mesh is None:
         # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
         mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
-        if plan.sync_module_states:
+        if plan.load_from_rank0:  # rank 0's whole parameters, sent shard by shard below
+            full = collect_full(program.module)
+        elif plan.sync_module_states:
             broadcast_module_states(program.module)
     kwargs = {
         "mesh": mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh,
@@ -267,6 +273,8 @@ def _apply_fsdp(
         # The user's model (kept for unwrap) would pin a full copy of every replaced parameter:
         # freed unit by unit, so the whole model and all shards are never alive together.
         release_replaced(program.original, program.module)
+    if plan.load_from_rank0:
+        load_shards(program.module, full, state.device)
     if plan.state_dict == "full":
         program.module.register_state_dict_post_hook(_full_state_dict)
         program.module.register_load_state_dict_pre_hook(_shard_loaded_state)

@@ -22,7 +22,10 @@ exists; `retarget.launch.config`), the default. Defaults: 1 process on 1 machine
 The target in effect is exported to the script as `RETARGET_TARGET` (mixed precision folded
 in: `--target fsdp --mixed_precision bf16` gives `fsdp+bf16`); `launched_target()` reads it.
 
-Bad settings, a missing config file or script: a `LaunchError` before anything starts. When a
+Bad settings, a missing config file or script, a target part whose options no pass can realise
+(every part's options are read as the passes read them): a `LaunchError` before anything starts.
+`cpu_ram_efficient_loading=true` also exports the variables that make transformers'
+from_pretrained load weights on local rank 0 only (execution/rank0_loading.py). When a
 rank fails, torchrun stops the others (SIGTERM, SIGKILL after 30 s) even when they wait in a
 collective, and the launcher ends with `rank 1 failed: ValueError: ...` and exit code 1.
 """
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from retarget.core.world import TARGET_ENV
+from retarget.execution.rank0_loading import TRANSFORMERS_ENV, asks_rank0_loading
 from retarget.launch.accelerate_flags import AccelerateFlags, with_precision_flags
 from retarget.launch.config import (
     LaunchConfig,
@@ -140,6 +144,7 @@ def resolve(
     target, origin = with_precision_flags(target, origin, accelerate)
     final = replace(settings, target=target, num_processes=processes, num_machines=machines)
     check_combination(final)
+    check_target_parts(target, origin, path)
     if machines > 1 and not final.main_process_ip:
         raise LaunchError(
             f"{final.origin('num_machines')} is {machines}: set --main_process_ip (or "
@@ -174,6 +179,44 @@ def resolve(
         torchrun_options=accelerate.torchrun if accelerate else (),
         env=dict(accelerate.env) if accelerate else {},
     )
+
+
+def check_target_parts(target: Target, origin: str, config_file: Path | None = None) -> None:
+    """Read every part's options as compile_for's passes will (no model is needed), so an
+    option no pass realises stops the launch here, not every rank after start-up. The message
+    names the config file's keys that set the options it names (Accelerate's `fsdp_*`)."""
+    from retarget.core.errors import TargetNotSupportedError
+    from retarget.passes.pipeline import build_pipeline
+    from retarget.spec.grammar import TargetError
+
+    try:
+        build_pipeline(target)
+    except (TargetNotSupportedError, TargetError, ValueError) as error:
+        keys = _keys_named(config_file, str(error)) if config_file is not None else []
+        where = f"; set by {', '.join(keys)} in {config_file}" if keys else ""
+        raise LaunchError(
+            f"target '{target}' ({origin}) would be refused by every rank: {error}{where}"
+        ) from None
+
+
+def _keys_named(config_file: Path, message: str) -> list[str]:
+    """The file's section keys (`fsdp_config: fsdp_<option>`) whose option `message` names."""
+    import yaml
+
+    try:
+        document = yaml.safe_load(Path(config_file).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return []
+    found = []
+    for section, keys in (document or {}).items():
+        if not (isinstance(keys, dict) and section.endswith("_config")):
+            continue
+        prefix = section.removesuffix("config")
+        for key in keys:
+            option = str(key).removeprefix(prefix)
+            if f"{option}=" in message or f"{option} " in message:
+                found.append(f"{section}: {key}")
+    return found
 
 
 def _target_in_effect(settings: LaunchConfig, processes: int) -> tuple[Target, str]:
@@ -235,6 +278,8 @@ def rank_command(plan: LaunchPlan) -> list[str]:
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
     """Variables the script's processes get on top of the launcher's environment."""
     env = {**plan.env, TARGET_ENV: str(plan.target)}
+    if asks_rank0_loading(plan.target):  # transformers then loads on local rank 0 only
+        env.update(TRANSFORMERS_ENV)
     if plan.use_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif plan.gpu_ids is not None:

@@ -193,11 +193,37 @@ def test_flags_take_dashed_spellings_and_script_arguments_stay_untouched(script)
         (["--config_file", "{tmp}/nope.yaml"], "--config_file {tmp}/nope.yaml: no such file"),
         (["--config_file", "{tmp}/unknown.yaml"], "unknown key 'num_procs'; did you mean"),
         (["--config_file", "{tmp}/target.yaml"], "target.yaml: target: unknown target part"),
+        # options no pass realises: refused here, not by every rank after start-up
+        (
+            ["--target", "fsdp+offload[params=false]", "--num_processes", "2"],
+            "(--target) would be refused by every rank: 'offload[params=false]': FSDP2's",
+        ),
+        (
+            ["--config_file", "{tmp}/contradiction.yaml"],
+            "contradiction.yaml: target) would be refused by every rank: "
+            "'fsdp[cpu_ram_efficient_loading=true,sync_module_states=false]'",
+        ),
+        (
+            ["--config_file", "{tmp}/contradiction.yaml"],
+            "set by fsdp_config: fsdp_cpu_ram_efficient_loading, fsdp_config: "
+            "fsdp_sync_module_states in {tmp}/contradiction.yaml",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_runs(capsys, script, tmp_path, argv, message):
     write(tmp_path / "unknown.yaml", "num_procs: 2\n")
     write(tmp_path / "target.yaml", "target: ddpp\n")
+    write(
+        tmp_path / "contradiction.yaml",
+        """\
+        distributed_type: FSDP
+        num_processes: 2
+        fsdp_config:
+          fsdp_version: 2
+          fsdp_cpu_ram_efficient_loading: true
+          fsdp_sync_module_states: false
+        """,
+    )
     argv = [a.format(tmp=tmp_path) for a in argv]
     code = main(["launch", *argv, str(script)])
     err = capsys.readouterr().err

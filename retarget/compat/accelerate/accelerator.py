@@ -65,6 +65,7 @@ from retarget.execution.process import (
     end_process_group,
     end_process_group_at_exit,
 )
+from retarget.execution.rank0_loading import asks_rank0_loading, transformers_environment
 from retarget.execution.xla_placement import xla_device_for
 from retarget.runtime.data import sharded_loader as data
 from retarget.runtime.data.xla_feed import feed_for
@@ -127,6 +128,8 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             resolution.target, dynamo_backend, dynamo_plugin, origin=resolution.origin
         )
         self.target_origin = resolution.origin
+        if asks_rank0_loading(self.target):  # from_pretrained then loads on local rank 0 only
+            transformers_environment()
         if "xla" in self.target:  # models and batches live there, as Accelerate's device says
             process = dataclasses.replace(process, device=xla_device_for(self.target))
         self.state = AcceleratorState.of(

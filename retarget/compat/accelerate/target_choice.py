@@ -78,7 +78,8 @@ _FSDP_OWN = {
     "ignored_modules": (lambda v, p: not v, "every parameter is sharded; none can be ignored"),
     "param_init_fn": (
         lambda v, p: v is None or p.get("cpu_ram_efficient_loading"),
-        "meta-device initialisation is not supported; build the model on the CPU",
+        "param_init_fn is not called: build the model on the CPU (with cpu_ram_efficient_loading "
+        "the ranks other than 0 may build it on the meta device)",
     ),
     "limit_all_gathers": (
         lambda v, p: v in (None, True),

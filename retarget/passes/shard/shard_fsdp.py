@@ -22,6 +22,12 @@ Variants, all FSDP2 with a different mesh or reshard setting:
 - offload: FSDP2's CPUOffloadPolicy; parameters, gradients and the optimizer step live on the
   CPU. Memory is pinned only when an accelerator is present (pinning needs one: docs/facts.md).
 
+`cpu_ram_efficient_loading=true` (Accelerate's name): only rank 0 needs the weights. The other
+ranks may build the model on the meta device (transformers' from_pretrained does under
+`retarget launch`), get storage-free placeholders for capture, and receive their shards of
+rank 0's values after sharding (execution/rank0_loading.py), so no rank but 0 ever holds the
+whole model. Not under tp, and not with sync_module_states=false (rank 0's values are the point).
+
 Mixed precision: with bf16/fp16 in the target the MixedPrecisionPolicy gathers parameters in that
 dtype (`param_dtype`) and reduce-scatters gradients in float32 (`reduce_dtype`). Under FSDP the
 gradient communication dtype is this reduce dtype; DDP comm hooks (fp16-comm, bf16-comm,
@@ -84,6 +90,9 @@ class FsdpOptions:
     """fsdp+tp: the tensor-parallel degree; FSDP shards over the world / tp_size dp ranks."""
     pin_memory: str = "auto"
     """offload: pin the CPU copies (auto: only when an accelerator is present)."""
+    load_from_rank0: bool = False
+    """cpu_ram_efficient_loading: the other ranks take their shards of rank 0's values after
+    sharding, so they need no weights of their own (meta models get placeholders)."""
     param_dtype: str | None = None
     """Dtype parameters are gathered and computed in (MixedPrecisionPolicy.param_dtype)."""
     reduce_dtype: str | None = None
@@ -100,13 +109,14 @@ class FsdpOptions:
         """Options from the target's sharded part, its offload part and its precision part."""
         part = next(target.get(n) for n in FSDP_STRATEGIES if n in target)
         values = part.as_dict()
-        _refuse_unsupported(part.name, values)
+        _refuse_unsupported(part, "tp" in target)
         precision = next((n for n in LOW_DTYPES if n in target), None)
         kwargs: dict[str, Any] = {
             "strategy": part.name,
             "reshard_after_forward": values.get("reshard", part.name != "zero2"),
             "min_params": values["min_params"],
             "sync_module_states": values["sync_module_states"],
+            "load_from_rank0": values["cpu_ram_efficient_loading"],
             "state_dict": values["state_dict"],
             "replicate": values.get("replicate", 0),
             "shard": values.get("shard", 0),
@@ -137,12 +147,19 @@ class FsdpOptions:
         return self.pin_memory == "true"
 
 
-def _refuse_unsupported(name: str, values: dict[str, Any]) -> None:
-    if values["cpu_ram_efficient_loading"]:
+def _refuse_unsupported(part: Any, with_tp: bool) -> None:
+    if not part.get("cpu_ram_efficient_loading"):
+        return
+    if not part.get("sync_module_states"):
         raise TargetNotSupportedError(
-            f"{name}[cpu_ram_efficient_loading=true]: loading weights on rank 0 only is not "
-            "implemented; drop the option (sync_module_states=true, the default, already "
-            "broadcasts rank 0's weights to the other ranks before sharding)"
+            f"'{part}': cpu_ram_efficient_loading=true gives every rank rank 0's weights, which "
+            "sync_module_states=false says not to do; drop one of the two"
+        )
+    if with_tp:
+        raise TargetNotSupportedError(
+            f"'{part}' with tp: loading the weights on rank 0 only is not implemented under "
+            "tensor parallelism; drop cpu_ram_efficient_loading (every rank then builds the "
+            "model, and tp starts from rank 0's values)"
         )
 
 
@@ -196,6 +213,11 @@ class ShardFsdp(Pass):
         notes.append(mixed_precision_note(self.options))
         if self.options.offload:
             notes.append(f"offload: CPUOffloadPolicy(pin_memory={self.options.pin()})")
+        if self.options.load_from_rank0:
+            notes.append(
+                "cpu_ram_efficient_loading: rank 0's weights; every other rank receives its "
+                "shards after sharding and never holds the whole model"
+            )
         stats = {"units": len(units), "mesh": list(mesh), "world_size": world.size}
         return PassResult(changed=True, stats=stats, notes=tuple(notes))
 
@@ -211,6 +233,7 @@ def fsdp_plan(
         mesh_dims=("dp",) if options.tp_size > 1 else ("replicate", "shard")[-len(mesh) :],
         reshard_after_forward=options.reshard_after_forward,
         sync_module_states=options.sync_module_states,
+        load_from_rank0=options.load_from_rank0,
         state_dict=options.state_dict,
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,

@@ -95,8 +95,12 @@ def test_bad_fsdp_settings_are_refused_with_the_fix():
         )
     with pytest.raises(TargetNotSupportedError, match=r"params and optimizer both true"):
         retarget.compile_for(zoo.mnist_cnn(), "fsdp+offload[params=false]")
-    with pytest.raises(TargetNotSupportedError, match=r"sync_module_states=true"):
-        retarget.compile_for(zoo.mnist_cnn(), "fsdp[cpu_ram_efficient_loading=true]")
+    with pytest.raises(TargetNotSupportedError, match=r"sync_module_states=false says not to"):
+        retarget.compile_for(
+            zoo.mnist_cnn(), "fsdp[cpu_ram_efficient_loading=true,sync_module_states=false]"
+        )
+    with pytest.raises(TargetNotSupportedError, match=r"not implemented under tensor paral"):
+        retarget.compile_for(zoo.mnist_cnn(), "fsdp[cpu_ram_efficient_loading=true]+tp")
     with pytest.raises(retarget.TargetError, match=r"'fp16-comm' needs one of 'ddp', 'zero1'"):
         retarget.compile_for(zoo.mnist_cnn(), "fsdp+fp16-comm")
 
