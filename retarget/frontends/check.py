@@ -8,7 +8,10 @@ objects they leave behind must be equal too: same structure, same tensors bit fo
 Both run in the caller's grad mode (it is part of the call signature). The eager run also notes
 whether the block checkpoints part of itself with torch.utils.checkpoint (seen only with grad
 on): tracers inline that, so the graph then runs under checkpoint as a whole
-(`CapturedGraph.checkpointed`) to keep the user's memory saving.
+(`CapturedGraph.checkpointed`) to keep the user's memory saving. With grad on, a block that
+calls a user-defined autograd.Function (its own backward formula, Bloom's GeLU) is refused to
+the frontends whose graphs would differentiate the Function's forward instead: the forward
+would be bitwise and the gradients not.
 """
 
 from __future__ import annotations
@@ -45,14 +48,26 @@ def check_against_eager(
     if traced_at is not None and index is not None and index != traced_at:
         # Another repeat: its own cache entry is what the traced repeat's entry was.
         args, kwargs = moved_state_args(args, kwargs, traced_at, index)
-    eager_args, eager_kwargs = copy_state_args(args, kwargs)
+    # The eager run starts its own autograd graph (inputs cut from their history, still asking
+    # for grad), so what it records is this block's own backward.
+    eager_args, eager_kwargs = tree_map_only(
+        torch.Tensor, _fresh_leaf, copy_state_args(args, kwargs)
+    )
     graph_args, graph_kwargs = copy_state_args(args, kwargs)
     watch = CheckpointWatch()
     # Both runs in the caller's grad mode: some eager kernels (matmul's batch folding) pick
     # another, not bit-identical, path without grad, and grad mode is part of the signature.
     with preserved_state(module):
         with preserved_state(module), watch:
-            expected = _detached(module.forward(*eager_args, **eager_kwargs))
+            outputs = module.forward(*eager_args, **eager_kwargs)
+        custom = custom_backwards(outputs)
+        frontend = graph.gm.meta.get("frontend")
+        if custom and frontend in GRAPHS_WITHOUT_CUSTOM_BACKWARD:
+            raise CaptureMismatch(
+                f"the block calls autograd.Function {custom[0]}, whose own backward a {frontend} "
+                "graph does not keep (it differentiates the forward's ops instead)"
+            )
+        expected = _detached(outputs)
         got = _detached(graph.run(module, graph_args, graph_kwargs, private))
     mismatch = first_difference(expected, got)
     if mismatch:
@@ -69,6 +84,37 @@ def check_against_eager(
 
 def _detached(tree: Any) -> Any:
     return tree_map_only(torch.Tensor, torch.Tensor.detach, tree)
+
+
+#: Frontends whose graphs inline an autograd.Function's forward and so lose its backward
+#: (measured: Bloom's GeLUFunction under export gives gradients 1e-8 off); dynamo keeps the
+#: Function (its graph calls it through autograd_function_apply) and gives eager's bit for bit.
+GRAPHS_WITHOUT_CUSTOM_BACKWARD = ("export", "fx")
+
+
+def _fresh_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.requires_grad:
+        return tensor
+    return tensor.detach().requires_grad_()
+
+
+def custom_backwards(outputs: Any) -> list[str]:
+    """Names of the user-defined autograd.Functions (torch's own aside) in the autograd graph
+    behind `outputs`, in the order met walking back from them."""
+    pending = [t.grad_fn for t in tree_flatten(outputs)[0] if torch.is_tensor(t) and t.grad_fn]
+    seen: set[int] = set()
+    found: list[str] = []
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        function = getattr(node, "_forward_cls", None)
+        module = getattr(function, "__module__", "") or ""
+        if function is not None and not module.startswith("torch."):
+            found.append(f"{module}.{function.__qualname__}")
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 class CheckpointWatch(TorchFunctionMode):

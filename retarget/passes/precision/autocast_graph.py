@@ -2,8 +2,12 @@
 
 Each matmul-class op gets its floating inputs cast to the low dtype, island ops of the kinds
 kept in float32 get theirs cast back, and the values leaving the graph are cast back to the
-dtype eager gives; every other op runs in the dtype its inputs have. insert_autocast.py's
-docstring says why; autocast_rules.py holds the per-op tables this module drives.
+dtype eager gives; every other op runs in the dtype its inputs have. A fill-type op
+(rules.SATURATES) on a value that may now be low precision saturates its float constants to
+that dtype's range at run time: the float32 `finfo(x.dtype).min` a trace baked in becomes the
+limit eager under autocast reads, where the op would otherwise refuse the value.
+insert_autocast.py's docstring says why; autocast_rules.py holds the per-op tables this module
+drives.
 
     >>> plan_graph(gm, AutocastOptions())            # what the rewrite would do: counts
     >>> rewrite_graph(gm, options=AutocastOptions())  # gm.meta["autocast"] records what it did
@@ -12,6 +16,7 @@ docstring says why; autocast_rules.py holds the per-op tables this module drives
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -88,7 +93,7 @@ def rewrite_graph(
     summary = plan_graph(gm, options, modules)
     rewriter = _GraphRewriter(gm, options, modules)
     rewriter.run()
-    gm.meta["autocast"] = {**summary, "casts": rewriter.casts}
+    gm.meta["autocast"] = {**summary, "casts": rewriter.casts, "saturated": rewriter.saturated}
 
 
 class _GraphRewriter:
@@ -102,6 +107,7 @@ class _GraphRewriter:
         self.state: dict[fx.Node, str] = {}
         self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.casts = 0
+        self.saturated = 0
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -126,8 +132,21 @@ class _GraphRewriter:
                 continue
             else:
                 state = self._propagate(node)
+                if state != EAGER and rules.op_name(node) in rules.SATURATES:
+                    self._saturate(node)
             self.state[node] = state
             node.meta["autocast"] = state
+
+    def _saturate(self, node: fx.Node) -> None:
+        """A fill-type op on a value that may now be low precision: its float constants out of
+        that dtype's range become the range's limit at run time (rules.SATURATES)."""
+        if not any(isinstance(a, float) for a in (*node.args, *node.kwargs.values())):
+            return
+        if node.op == "call_method":
+            node.op, node.target = "call_function", saturating(_method(node.target))
+        elif node.op == "call_function":
+            node.target = saturating(node.target)
+        self.saturated += 1
 
     def _cast_inputs(self, node: fx.Node, cast) -> None:
         node.args = fx.node.map_arg(node.args, functools.partial(cast, user=node))
@@ -178,6 +197,42 @@ class _GraphRewriter:
             if any(s == EAGER and _is_float32(x, dimensioned=True) for x, s in pairs):
                 return EAGER
         return MAYBE
+
+
+@functools.cache
+def saturating(op: Callable[..., Any]) -> Callable[..., Any]:
+    """`op`, with each finite float argument beyond the range of its first floating tensor
+    argument's dtype (when bf16 or fp16) replaced by that range's limit, sign kept; inf stays
+    inf."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first = next((a for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+        if first is not None and first.dtype in (torch.bfloat16, torch.float16):
+            limit = torch.finfo(first.dtype).max
+            args = tuple(_within(a, limit) for a in args)
+            kwargs = {k: _within(v, limit) for k, v in kwargs.items()}
+        return op(*args, **kwargs)
+
+    call.__name__ = f"saturating_{getattr(op, '__name__', 'op')}".replace(".", "_")
+    call.__qualname__ = call.__name__
+    return call
+
+
+def _within(value: Any, limit: float) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
+        return math.copysign(limit, value)
+    return value
+
+
+@functools.cache
+def _method(name: str) -> Callable[..., Any]:
+    """A call_method target as a function: `x.name(*rest)`."""
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
 
 
 def _lowers(node: fx.Node, decision: str | None) -> bool:

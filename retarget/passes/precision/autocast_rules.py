@@ -131,6 +131,19 @@ PROMOTES = frozenset(
      "minimum"}
 )  # fmt: skip
 
+#: Ops that refuse a Python float outside their tensor's dtype range ("value cannot be converted
+#: to type c10::BFloat16 without overflow", measured on torch 2.13), where arithmetic would
+#: give inf. A constant traced in float32, typically `torch.finfo(x.dtype).min`, meets a low
+#: precision tensor here only because the graph form lowered `x`; eager under autocast would
+#: have read the low dtype's limit. The rewrite saturates such a constant to that limit.
+#: `where` takes the constant silently as -inf, which turns a fully masked softmax row into NaN
+#: where eager's finite limit gives a uniform row: saturated too.
+SATURATES = frozenset(
+    {"masked_fill", "masked_fill_", "fill", "fill_", "clamp", "clamp_", "clamp_min",
+     "clamp_min_", "clamp_max", "clamp_max_", "full_like", "new_full", "index_fill",
+     "index_fill_", "where"}
+)  # fmt: skip
+
 #: Leaf modules that run under autocast outside regions, and the op each one is.
 LOWER_MODULES: dict[type[nn.Module], str] = {
     nn.Linear: "linear",

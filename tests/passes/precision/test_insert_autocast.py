@@ -186,6 +186,78 @@ def test_verify_checks_outputs_within_the_stated_tolerance():
     assert "approx" in autocast_record(compiled).numerics
 
 
+class MaskedAttention(nn.Module):
+    """Masks scores with the low dtype's own limit, as DeBERTa and GPT-2 write it: a trace in
+    float32 bakes float32's `finfo.min`, which bf16 cannot hold."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.qk = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x, keep):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        filled = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        chosen = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+        return x + (torch.softmax(filled, -1) + torch.softmax(chosen, -1)) @ x
+
+
+def test_a_float32_limit_meeting_a_lowered_value_is_the_low_dtypes_limit_as_eager_reads_it():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([MaskedAttention() for _ in range(2)])
+
+        def forward(self, x, keep):
+            for block in self.blocks:
+                x = block(x, keep)
+            return x
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 4, 8)
+    keep = torch.ones(2, 4, 4, dtype=torch.bool)
+    keep[0, 1] = False  # a fully masked row: NaN if the limit became -inf
+    keep[1, :, 2] = False
+    compiled = retarget.compile_for(model, "bf16", example_inputs=(x, keep))
+    saturated = [r.representative().gm.meta["autocast"]["saturated"]
+                 for r in compiled.program.regions]  # fmt: skip
+    assert saturated == [2], saturated
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x, keep)
+    got = compiled(x, keep)
+    assert torch.isfinite(got).all()
+    # the softmax island runs in float32 here, in bf16 under torch.autocast
+    assert torch.allclose(got, expected.float(), atol=2e-2)
+
+
+def _deberta_v2():
+    """DebertaV2ForSequenceClassification at its default config, sizes shrunk."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    return DebertaV2ForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("target", ["bf16", "fp16", "bf16+ac"])
+def test_deberta_v2_trains_in_low_precision_where_torch_autocast_does(target):
+    model = _deberta_v2()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, SEQ // 2 :] = 0  # padding: masked keys
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+    compiled = retarget.compile_for(model, target, example_inputs=inputs)
+    assert not [r.name for r in compiled.program.regions if r.eager_only]
+    loss, grads = step(model, inputs)
+    low_loss, low_grads = step(compiled, inputs)
+    assert abs(low_loss - loss).item() <= LOSS_ATOL
+    assert 1e-5 < grad_error(grads, low_grads) <= GRAD_RTOL_DEFAULT
+
+
 # -- purpose ------------------------------------------------------------------------------------
 def test_region_matmuls_run_in_bf16_norm_islands_in_fp32_and_outputs_leave_in_fp32():
     model, compiled = compiled_zoo("tiny_llama")
