@@ -36,6 +36,24 @@ class AcceleratorState(ProcessState):
     """The DeepSpeedPlugin given to the Accelerator (realised as a ZeRO target), or None."""
     compiles: bool = False
 
+    def __repr__(self) -> str:
+        """Accelerate's text (`logger.info(accelerator.state)` in every transformers example)."""
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        device = self.device
+        if self.distributed and device.type == "cpu" and device.index is None:
+            device = "cpu:0"  # Accelerate indexes the one CPU device under MULTI_CPU
+        text = (
+            f"Distributed environment: {self.distributed_type}{backend}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {device}\n"
+            f"\nMixed precision type: {self.mixed_precision}\n"
+        )
+        if self.deepspeed_plugin is not None:
+            text += f"ds_config: {getattr(self.deepspeed_plugin, 'deepspeed_config', None)}\n"
+        return text
+
     @classmethod
     def of(cls, state: ProcessState, **accelerator_facts: Any) -> AcceleratorState:
         """`state` with the Accelerator's facts added."""
@@ -118,6 +136,14 @@ class GradientStateView:
 
     def __init__(self, accelerator: Any) -> None:
         self._accelerator = accelerator
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync Gradients: {self.sync_gradients}\n"
+            f"At end of current dataloader: {self.end_of_dataloader}\n"
+            f"Extra samples added: {self.remainder}\n"
+            f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
+        )
 
     @property
     def num_steps(self) -> int:

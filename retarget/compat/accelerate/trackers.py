@@ -166,6 +166,7 @@ class TensorBoardTracker(GeneralTracker):
     Numbers and one-element tensors become scalars, strings text, a dict of numbers one
     `add_scalars` group; hyperparameters go through `add_hparams`. Needs the `tensorboard`
     package. Extra keyword arguments go to SummaryWriter (`init_kwargs={"tensorboard": {...}}`).
+The run's configuration is also written to `hparams.yml`, as Accelerate does.
     """
 
     name = "tensorboard"
@@ -193,9 +194,16 @@ class TensorBoardTracker(GeneralTracker):
         self.writer = self._writer_class(str(self.logging_dir), **self._writer_kwargs)
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """`add_hparams`, and, as Accelerate's tracker does, `<run>/<time.time()>/hparams.yml`
+        (yaml.dump of the values: keys sorted) for tools that read the file."""
+        import yaml
+
         hparams = {str(k): plain_value(str(k), v) for k, v in values.items()}
         self.writer.add_hparams({k: v for k, v in hparams.items() if v is not None}, {})
         self.writer.flush()
+        folder = self.logging_dir / str(time.time())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hparams.yml").write_text(yaml.dump(hparams), encoding="utf-8")
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         for key, value in values.items():

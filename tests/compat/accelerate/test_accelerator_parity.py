@@ -123,6 +123,9 @@ def test_values_agree_with_accelerates_in_a_world_of_one(theirs):
     assert ours.distributed_type.value == theirs.distributed_type.value
     assert ours.fp8_backend == theirs.fp8_backend.value == "NO"
     assert list(ours.rng_types) == theirs.rng_types
+    # printed as transformers' examples log them: logger.info(accelerator.state)
+    assert repr(ours.state) == str(ours.state) == repr(theirs.state)
+    assert repr(ours.gradient_state) == repr(theirs.gradient_state)
 
 
 @pytest.mark.parametrize("n,drop_last", [(10, False), (8, False), (10, True)])
@@ -327,6 +330,7 @@ def _state_of(rank: int, world: int, front_door: str) -> dict:
     facts = {name: getattr(accelerator.state, name) for name in STATE_NAMES}
     facts["distributed_type"] = accelerator.state.distributed_type.value
     facts["accelerator"] = {name: getattr(accelerator, name) for name in STATE_NAMES}
+    facts["printed"] = repr(accelerator.state)
     if front_door == "accelerate":
         return facts
     if rank == 1:

@@ -86,6 +86,26 @@ def test_tensorboard_event_files_hold_logged_scalars(tmp_path):
     assert read["acc"] == [(0, 0.0), (1, 0.25), (2, 0.5)]
 
 
+def test_tensorboard_writes_the_configuration_to_hparams_yml_as_accelerate_does(tmp_path):
+    import yaml
+
+    config = {"lr": 3e-4, "epochs": 3, "model": "tiny", "seed": None, "scale": torch.tensor(2.0)}
+    trackers = TrackerSet("tensorboard", tmp_path / "ours", is_main_process=True)
+    trackers.init("run", config=config)
+    trackers.finish()
+    (ours,) = (tmp_path / "ours" / "run").glob("*/hparams.yml")
+    expected = {"lr": 3e-4, "epochs": 3, "model": "tiny", "seed": None, "scale": 2.0}
+    assert yaml.safe_load(ours.read_text()) == expected
+    accelerate = pytest.importorskip("accelerate.tracking")
+    theirs = accelerate.TensorBoardTracker("run", str(tmp_path / "theirs"))
+    theirs.start()
+    theirs.store_init_configuration({k: v for k, v in expected.items() if v is not None})
+    theirs.finish()
+    (written,) = (tmp_path / "theirs" / "run").glob("*/hparams.yml")
+    plain = {k: v for k, v in expected.items() if v is not None}
+    assert written.read_text() == yaml.dump(plain) and yaml.safe_load(written.read_text()) == plain
+
+
 def test_custom_tracker_receives_calls_and_log_kwargs():
     custom = ListTracker()
     trackers = TrackerSet([custom], None, is_main_process=True)
