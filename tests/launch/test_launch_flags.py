@@ -319,7 +319,7 @@ def test_multi_gpu_bf16_and_accumulation_reach_the_script_on_2_processes(tmp_pat
     for row in rows:
         assert (row["target"], row["mixed_precision"]) == ("ddp+bf16", "bf16")
         assert (row["accumulation"], row["env"]) == (2, "2")
-    assert "target ddp+bf16 (--multi_gpu --mixed_precision)" in done.stderr
+    assert "launched target ddp+bf16 (--multi_gpu --mixed_precision;" in done.stderr
 
 
 @pytest.mark.distributed
