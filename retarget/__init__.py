@@ -10,25 +10,36 @@ lives in `retarget.compat.accelerate` and is importable from here as well, under
 names (`from retarget import Accelerator`), imported on first use.
 """
 
-from retarget.core.errors import (
-    EagerRegionWarning,
-    PassError,
-    PassOrderError,
-    RegionCompileError,
-    TargetNotSupportedError,
-    UncompiledRegionWarning,
-    VerificationError,
-)
 from retarget.core.version import __version__
-from retarget.core.world import launched_target
-from retarget.driver.compile import compile_for
-from retarget.driver.compiled import CompiledModule
-from retarget.passes.base import Pass, PassResult
-from retarget.spec.errors import ConfigError
-from retarget.spec.grammar import Target, TargetError, parse_target
 
-#: Compiler names that pull in heavier layers, imported on first use.
+#: The compiler's names, imported on first use: `import retarget` itself loads nothing heavy
+#: (not torch), so `retarget --help` and a script's start stay fast.
+_COMPILER = {
+    **dict.fromkeys(
+        (
+            "EagerRegionWarning",
+            "PassError",
+            "PassOrderError",
+            "RegionCompileError",
+            "TargetNotSupportedError",
+            "UncompiledRegionWarning",
+            "VerificationError",
+        ),
+        "retarget.core.errors",
+    ),
+    "launched_target": "retarget.core.world",
+    "compile_for": "retarget.driver.compile",
+    "CompiledModule": "retarget.driver.compiled",
+    "Pass": "retarget.passes.base",
+    "PassResult": "retarget.passes.base",
+    "ConfigError": "retarget.spec.errors",
+    "Target": "retarget.spec.grammar",
+    "TargetError": "retarget.spec.grammar",
+    "parse_target": "retarget.spec.grammar",
+}
+#: Compiler names that pull in heavier layers still.
 _LAZY_COMPILER = {
+    **_COMPILER,
     "OptimizerNotPrepared": "retarget.execution.step_guard",
     "XlaRecompileWarning": "retarget.execution.xla_placement",
     "CheckpointError": "retarget.runtime.state.folder",
@@ -87,7 +98,9 @@ def __getattr__(name: str):
     if name in _LAZY_NAMES:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+        globals()[name] = value  # later reads skip this function
+        return value
     raise AttributeError(f"module 'retarget' has no attribute {name!r}")
 
 

@@ -26,8 +26,6 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from retarget.cli.bench_bigmodel import big_load_rows, offload_rows
 from retarget.cli.bench_compile import (
     compile_dist_markdown,
@@ -128,6 +126,31 @@ def _peer_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _startup_rows(d: dict) -> list[Row]:
+    rows = [
+        ("start-up", f"{name} (fresh process)", f"{d[f'{name} s']:.2f} s")
+        for name in ("import torch", "import retarget", "retarget --help", "import accelerate")
+    ]
+    for label in ("uncompiled", "compiled, warm cache"):
+        rows.append(
+            (
+                "start-up",
+                f"prepare-to-first-step {label}: retarget / Accelerate",
+                f"{d[f'prepare-to-first-step {label}: retarget / accelerate']:.2f}x "
+                f"({d[f'prepare-to-first-step {label}: retarget s']:.2f} s vs "
+                f"{d[f'prepare-to-first-step {label}: accelerate s']:.2f} s)",
+            )
+        )
+        rows.append(
+            (
+                "start-up",
+                f"capture's share of a short script's wall time, {label}",
+                f"{100 * d[f'capture share of script wall time, {label}']:.0f}%",
+            )
+        )
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -160,6 +183,14 @@ SUITES: dict[str, Suite] = {
             file="test_peer.py",
             results="peer.json",
             rows=_peer_rows,
+            needs=("accelerate",),
+        ),
+        Suite(
+            name="startup",
+            file="test_startup.py",
+            results="startup.json",
+            rows=_startup_rows,
+            quick_env={"RETARGET_BENCH_ROUNDS": "1"},
             needs=("accelerate",),
         ),
         Suite(
@@ -291,6 +322,8 @@ def table(rows: list[Row]) -> str:
 
 
 def machine() -> str:
+    import torch
+
     return (
         f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, CUDA {'yes' if torch.cuda.is_available() else 'no'}"

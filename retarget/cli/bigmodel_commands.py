@@ -8,12 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from torch import nn
-
-from retarget.bigmodel.empty_init import init_empty_weights
+from retarget.cli.choices import DEVICE_MAP_MODES
 from retarget.cli.commands import CliError, Handler, command, load_callable, write_output
-from retarget.core.placement import PlacementError
-from retarget.passes.place.device_map import MODES, infer_auto_device_map
 
 
 @command("device-map", "plan where each module of a model goes under memory budgets")
@@ -32,7 +28,10 @@ def device_map_arguments(parser: argparse.ArgumentParser) -> Handler:
         help="a budget, e.g. cpu=70MB or 0=10GiB (repeat per device; default: free memory)",
     )
     parser.add_argument(
-        "--mode", choices=MODES, default="auto", help="how blocks are spread over the devices"
+        "--mode",
+        choices=DEVICE_MAP_MODES,
+        default="auto",
+        help="how blocks are spread over the devices",
     )
     parser.add_argument("--dtype", help="floating dtype the weights will be loaded in")
     parser.add_argument(
@@ -44,6 +43,12 @@ def device_map_arguments(parser: argparse.ArgumentParser) -> Handler:
 
 
 def run_device_map(args: argparse.Namespace) -> int:
+    from torch import nn
+
+    from retarget.bigmodel.empty_init import init_empty_weights
+    from retarget.core.placement import PlacementError
+    from retarget.passes.place.device_map import infer_auto_device_map
+
     budgets = {}
     for item in args.max_memory:
         device, sep, size = item.partition("=")

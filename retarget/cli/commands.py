@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from retarget.core.errors import PassError, TargetNotSupportedError
-from retarget.report import render
 from retarget.spec.grammar import Target, TargetError, parse_target
 
 Handler = Callable[[argparse.Namespace], int]
@@ -122,6 +121,8 @@ def compile_errors() -> Iterator[None]:
 
 def require_graphviz() -> None:
     """Fail fast, as a CliError, when svg output is asked for and graphviz is missing."""
+    from retarget.report import render
+
     try:
         render.require_graphviz()
     except render.GraphvizNotFound as exc:

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from retarget.cli.commands import CliError, Handler, command
-from retarget.launch import command_line, env
+from retarget.launch import command_line
 from retarget.launch import launcher as launch
-from retarget.launch import questions as config_questions
 from retarget.launch.config import CONFIG_ENV, LaunchError, config_in_effect, read_settings
 
 #: The script `retarget test` launches.
@@ -64,6 +63,8 @@ def config_arguments(parser: argparse.ArgumentParser) -> Handler:
 
 def run_config(args: argparse.Namespace) -> int:
     """Ask (or take this machine's default), write the file, print where."""
+    from retarget.launch import questions as config_questions  # imports torch
+
     with launch_errors():
         default = args.default or args.mode == "default"
         path = config_questions.configure(args.config_file, default=default)
@@ -103,7 +104,15 @@ def run_sanity_test(args: argparse.Namespace) -> int:
 def env_arguments(parser: argparse.ArgumentParser) -> Handler:
     """`retarget env [--config_file F]`."""
     parser.add_argument("--config_file", "--config-file", metavar="FILE", help="as for launch")
-    return lambda args: print(env.env_report(args.config_file), end="") or 0
+    return run_env
+
+
+def run_env(args: argparse.Namespace) -> int:
+    """Print the report (torch is imported only here, not for --help)."""
+    from retarget.launch import env
+
+    print(env.env_report(args.config_file), end="")
+    return 0
 
 
 @contextlib.contextmanager

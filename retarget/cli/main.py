@@ -16,8 +16,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-
-import torch
+from importlib import metadata
 
 import retarget
 from retarget.cli.commands import COMMANDS, CliError, DefaultsHelpFormatter
@@ -38,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="retarget", description="Compiler-style rewriting of PyTorch models for targets."
     )
-    version = f"retarget {retarget.__version__} (torch {torch.__version__})"
+    # torch's version from its metadata: importing torch would cost seconds on every --help
+    version = f"retarget {retarget.__version__} (torch {metadata.version('torch')})"
     parser.add_argument("--version", action="version", version=version)
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments) in COMMANDS.items():

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from torch import nn
-
-import retarget
+from retarget.cli import choices
 from retarget.cli.commands import (
     CliError,
     Handler,
@@ -24,8 +22,6 @@ from retarget.cli.commands import (
     require_graphviz,
     write_output,
 )
-from retarget.passes.capture.capture_regions import MODES as CAPTURE_MODES
-from retarget.report import render
 
 
 @command("inspect", "capture a model for a target and show what each pass did")
@@ -43,13 +39,13 @@ def inspect_arguments(parser: argparse.ArgumentParser) -> Handler:
     )
     parser.add_argument(
         "--capture",
-        choices=CAPTURE_MODES,
+        choices=choices.CAPTURE_MODES,
         default="regions",
         help="one graph per repeated block (default), the whole model, or none",
     )
     parser.add_argument(
         "--format",
-        choices=render.FORMATS,
+        choices=choices.FORMATS,
         default="text",
         help="svg needs graphviz; html inlines the svg when graphviz is installed",
     )
@@ -62,7 +58,7 @@ def inspect_arguments(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument(
         "--max-nodes",
         type=positive_int,
-        default=render.GRAPH_NODE_CAP,
+        default=choices.GRAPH_NODE_CAP,
         help="graph nodes drawn per region (dot, svg, html); the rest fold into one node",
     )
     return run_inspect
@@ -70,6 +66,11 @@ def inspect_arguments(parser: argparse.ArgumentParser) -> Handler:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Build the model, compile it for the target and write the report in the chosen format."""
+    from torch import nn
+
+    import retarget
+    from retarget.report import render
+
     target = parse_target_arg(args.target)
     if args.format == "svg":
         require_graphviz()  # before the model is built: fail fast
@@ -103,7 +104,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--batch", type=positive_int, default=4, help="sequences per batch")
     parser.add_argument("--seq", type=positive_int, default=32, help="tokens per sequence")
     parser.add_argument(
-        "--capture", choices=CAPTURE_MODES, default="regions", help="as for inspect"
+        "--capture", choices=choices.CAPTURE_MODES, default="regions", help="as for inspect"
     )
     return run_demo_command
 
@@ -131,8 +132,6 @@ def run_demo_command(args: argparse.Namespace) -> int:
 @command("estimate-memory", "predict a training step's memory per rank for a target")
 def estimate_memory_arguments(parser: argparse.ArgumentParser) -> Handler:
     """`retarget estimate-memory PKG.MODULE:FACTORY --target T [--inputs FN] [...]`."""
-    from retarget.report.memory_estimate import OPTIMIZERS
-
     parser.add_argument(
         "factory", metavar="PKG.MODULE:FACTORY", help="function returning the model (no args)"
     )
@@ -150,7 +149,7 @@ def estimate_memory_arguments(parser: argparse.ArgumentParser) -> Handler:
     )
     parser.add_argument(
         "--optimizer",
-        choices=tuple(OPTIMIZERS),
+        choices=choices.OPTIMIZERS,
         default="adam",
         help="the optimizer whose state is counted",
     )
@@ -160,6 +159,8 @@ def estimate_memory_arguments(parser: argparse.ArgumentParser) -> Handler:
 
 def run_estimate_memory(args: argparse.Namespace) -> int:
     """Compile the target's local parts here, profile one forward, print the per-rank table."""
+    from torch import nn
+
     from retarget.driver.estimate import estimate_for_target
 
     target = parse_target_arg(args.target)

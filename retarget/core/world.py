@@ -21,6 +21,8 @@ from retarget.spec.grammar import Target, TargetError, parse_target
 TARGET_ENV = "RETARGET_TARGET"
 #: Accumulation steps `retarget launch --gradient_accumulation_steps` exports (Accelerate's name).
 ACCUMULATION_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+#: Where `retarget launch` asks ranks to record a clean stop (one empty file per rank).
+STOPPED_DIR_ENV = "RETARGET_STOPPED_DIR"
 
 
 @dataclass(frozen=True, kw_only=True)

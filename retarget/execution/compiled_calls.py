@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException as DynamoError
-from torch._dynamo.utils import counters
 from torch.utils.checkpoint import _StopRecomputationError
 
 from retarget.core.capturing import capturing
@@ -197,6 +195,10 @@ class RegionCompiler:
     ) -> Any:
         """Run `compiled_call`, counting what dynamo compiled; `first`: a later repeat's own
         callable is called for the first time (its compile is not a recompile)."""
+        # dynamo (1-2 s to import) is imported by the first compiled call, not by compile_for
+        from torch._dynamo.exc import TorchDynamoException as DynamoError
+        from torch._dynamo.utils import counters
+
         graphs = counters["stats"]["unique_graphs"]
         frames = counters["frames"]["total"]
         breaks = dict(counters["graph_break"])

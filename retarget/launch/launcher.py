@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from retarget.core.world import TARGET_ENV
-from retarget.execution.rank0_loading import TRANSFORMERS_ENV, asks_rank0_loading
 from retarget.launch.accelerate_flags import AccelerateFlags, with_precision_flags
 from retarget.launch.config import (
     LaunchConfig,
@@ -277,6 +276,8 @@ def rank_command(plan: LaunchPlan) -> list[str]:
 
 def worker_env(plan: LaunchPlan) -> dict[str, str]:
     """Variables the script's processes get on top of the launcher's environment."""
+    from retarget.execution.rank0_loading import TRANSFORMERS_ENV, asks_rank0_loading
+
     env = {**plan.env, TARGET_ENV: str(plan.target)}
     if asks_rank0_loading(plan.target):  # transformers then loads on local rank 0 only
         env.update(TRANSFORMERS_ENV)

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from retarget.runtime.preemption import STOPPED_DIR_ENV
+from retarget.core.world import STOPPED_DIR_ENV
 
 
 def children(pid: int | None = None) -> list[int]:

@@ -27,10 +27,10 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from retarget.core.world import STOPPED_DIR_ENV
+
 #: The signals that ask for a stop after the current step.
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-#: Where `retarget launch` asks ranks to record a clean stop (one empty file per rank).
-STOPPED_DIR_ENV = "RETARGET_STOPPED_DIR"
 
 
 class PreemptionWatch:

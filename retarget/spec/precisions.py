@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from retarget.spec.grammar import Part, Target
+
+if TYPE_CHECKING:
+    import torch
 
 #: The mixed-precision words, Accelerate's spelling ("no" = full precision).
 MIXED_PRECISION = ("no", "bf16", "fp16", "fp8")
@@ -23,8 +27,31 @@ PRECISION_PARTS: dict[str, tuple[str, ...]] = {
     "fp16": ("fp16",),
     "fp8": ("bf16", "fp8"),
 }
+
+
+class _LowDtypes(Mapping[str, "torch.dtype"]):
+    """{"bf16": torch.bfloat16, "fp16": torch.float16}, torch imported at the first lookup
+    (the launcher and `--help` read the precision words without torch)."""
+
+    _NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self._NAMES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 #: precision part -> the dtype its autocast regions compute in.
-LOW_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_DTYPES: Mapping[str, torch.dtype] = _LowDtypes()
 #: Parts that set a precision.
 PRECISION_PART_NAMES = ("bf16", "fp16", "fp8")
 

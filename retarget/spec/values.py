@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by parse_dtype only: the target language reads without it
+    import torch
 
 #: Byte units, largest first (sizes print in the largest exact one): KB/MB/GB/TB are powers of
 #: 1000, KiB/MiB/GiB/TiB powers of 1024.
@@ -102,6 +103,8 @@ def parse_dtype(
 ) -> torch.dtype | None:
     """A torch dtype from a dtype, "bfloat16", "torch.float16" or "bf16"/"fp16"/"fp32" (None
     stays None). With `floating` (the default) only floating dtypes are accepted."""
+    import torch
+
     if value is None or isinstance(value, torch.dtype):
         parsed = value
     else:

@@ -200,3 +200,25 @@ def test_quick_writes_apart_from_the_tracked_figures_and_marks_its_rows(
     assert "2.500 (quick)" in out and "fsdp peak memory" in out  # the rest: the tracked figures
     assert (where / "overhead.json").read_text() == tracked
     assert (where / ".quick" / "overhead.json").is_file()
+
+
+def test_startup_rows_read_the_startup_suites_figures():
+    figures = {
+        "import torch s": 1.81,
+        "import retarget s": 0.05,
+        "retarget --help s": 0.27,
+        "import accelerate s": 2.2,
+    }
+    for label, ours, theirs in (("uncompiled", 0.6, 0.08), ("compiled, warm cache", 3.9, 0.45)):
+        figures[f"prepare-to-first-step {label}: retarget s"] = ours
+        figures[f"prepare-to-first-step {label}: accelerate s"] = theirs
+        figures[f"prepare-to-first-step {label}: retarget / accelerate"] = ours / theirs
+        figures[f"capture share of script wall time, {label}"] = 0.083
+    rows = bench.SUITES["startup"].rows(figures)
+    assert ("start-up", "retarget --help (fresh process)", "0.27 s") in rows
+    assert (
+        "start-up",
+        "prepare-to-first-step uncompiled: retarget / Accelerate",
+        "7.50x (0.60 s vs 0.08 s)",
+    ) in rows
+    assert ("start-up", "capture's share of a short script's wall time, uncompiled", "8%") in rows

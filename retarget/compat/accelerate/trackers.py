@@ -166,7 +166,7 @@ class TensorBoardTracker(GeneralTracker):
     Numbers and one-element tensors become scalars, strings text, a dict of numbers one
     `add_scalars` group; hyperparameters go through `add_hparams`. Needs the `tensorboard`
     package. Extra keyword arguments go to SummaryWriter (`init_kwargs={"tensorboard": {...}}`).
-The run's configuration is also written to `hparams.yml`, as Accelerate does.
+    The run's configuration is also written to `hparams.yml`, as Accelerate does.
     """
 
     name = "tensorboard"
