@@ -1,12 +1,16 @@
-"""Shared test helpers: run a model on zoo inputs and compare outputs and gradients exactly."""
+"""Shared test helpers: run a model on zoo inputs and compare outputs and gradients exactly; the
+test device switch (`RETARGET_TEST_DEVICE`, see `device`)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,6 +38,73 @@ def assert_same_step(a: torch.nn.Module, b: torch.nn.Module, inputs, *, backward
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), f"grad of {name} differs"
+
+
+#: The device the device-parametric tests run on: `cpu` (the default) or `cuda` (`cuda:0`).
+#: `RETARGET_TEST_DEVICE=cuda python -m pytest -m "not distributed" tests` runs on a GPU every
+#: test that takes the `device` fixture and the `gpu`-marked ones, and skips the others, each
+#: saying why (bench/gpu/run.sh does this).
+DEVICE_ENV = "RETARGET_TEST_DEVICE"
+#: Why a test that takes no `device` fixture skips under a GPU device, unless its
+#: `@pytest.mark.cpu_only("...")` says a reason of its own.
+NOT_DEVICE_PARAMETRIC = "builds its tensors on the CPU itself (it takes no `device` fixture)"
+
+
+def selected_device() -> torch.device:
+    """The device `RETARGET_TEST_DEVICE` names (cuda means cuda:0); a UsageError otherwise."""
+    name = os.environ.get(DEVICE_ENV) or "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"{DEVICE_ENV}={name!r}: the test devices are cpu and cuda[:N]")
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
+def device_skip_reason(device: torch.device, fixtures: Any, cpu_only: Any, gpu: bool) -> str | None:
+    """Why a test does not run on `device` (None: it runs): on a GPU device only the tests that
+    take the `device` fixture and the `gpu`-marked ones run."""
+    if device.type == "cpu" or gpu or "device" in fixtures:
+        return None
+    reason = cpu_only.args[0] if cpu_only is not None and cpu_only.args else NOT_DEVICE_PARAMETRIC
+    return f"{DEVICE_ENV}={device}: runs on CPU only: {reason}"
+
+
+def pytest_configure(config):
+    device = selected_device()
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"{DEVICE_ENV}={device}: torch sees no CUDA device")
+        # Bitwise comparisons need the same kernels run to run (cuBLAS's workspace too).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    device = selected_device()
+    for item in items:
+        reason = device_skip_reason(
+            device,
+            getattr(item, "fixturenames", ()),
+            item.get_closest_marker("cpu_only"),
+            item.get_closest_marker("gpu") is not None,
+        )
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device of a device-parametric test (`RETARGET_TEST_DEVICE`, cpu by default)."""
+    return selected_device()
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A model moved to `device` (in place, returned), or a tree of tensors copied there."""
+    if isinstance(value, torch.nn.Module):
+        return value.to(device)
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), value)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from torch import nn
 import retarget
 from retarget.core.module_record import record_of
 from retarget.core.modules import original_class
-from tests.conftest import assert_same_step, step
+from tests.conftest import assert_same_step, step, to_device
 from tests.zoo import ZOO, call, loss_of
 
 CAPTURABLE = [name for name in ZOO if name != "uncapturable_block_model"]
@@ -20,17 +20,19 @@ CAPTURABLE = [name for name in ZOO if name != "uncapturable_block_model"]
 
 @pytest.mark.parametrize("mode", ["regions", "whole"])
 @pytest.mark.parametrize("name", list(ZOO))
-def test_single_is_bitwise_equal_to_eager(name, mode):
+def test_single_is_bitwise_equal_to_eager(name, mode, device):
     entry = ZOO[name]
-    model = entry.factory()
-    compiled = retarget.compile_for(model, "single", example_inputs=entry.inputs(2), capture=mode)
+    model = to_device(entry.factory(), device)
+    example = to_device(entry.inputs(2), device)
+    compiled = retarget.compile_for(model, "single", example_inputs=example, capture=mode)
     assert list(compiled.state_dict()) == list(model.state_dict())
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in model.named_parameters()]
     for training in (True, False):
         model.train(training)
         compiled.train(training)
         for batch in (2, 3):  # 3: a batch size the capture never saw
-            assert_same_step(model, compiled, entry.inputs(batch), backward=training)
+            inputs = to_device(entry.inputs(batch), device)
+            assert_same_step(model, compiled, inputs, backward=training)
     for region in compiled.program.regions:
         if name == "uncapturable_block_model":
             assert region.frontend == "eager"

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import retarget
 from retarget.runtime.step import HeldGradients, window_for
 from tests import zoo
+from tests.conftest import to_device
 from tests.sharded_training import max_difference
 
 STEPS = 2  # micro-steps per window
@@ -55,22 +56,28 @@ def _windows(ids: torch.Tensor, batch: int, steps: int) -> list[torch.Tensor]:
     return [torch.cat(micro[i : i + steps]) for i in range(0, len(micro), steps)]
 
 
-def test_one_process_plain_adamw_every_micro_step_equals_one_step_per_window():
+def test_one_process_plain_adamw_every_micro_step_equals_one_step_per_window(device):
     ids = torch.randint(0, zoo.VOCAB, (10, zoo.SEQ), generator=torch.Generator().manual_seed(1))
-    model = retarget.compile_for(zoo.tiny_llama(), "single", example_inputs=zoo.lm_inputs(2))
+    model = retarget.compile_for(
+        to_device(zoo.tiny_llama(), device),
+        "single",
+        example_inputs=to_device(zoo.lm_inputs(2), device),
+    )
     run = model.runtime
     run.gradient_accumulation_steps = STEPS
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     syncs = []
     for (batch,) in run.shard(DataLoader(TensorDataset(ids), batch_size=2)):
         with run.accumulate():
+            batch = batch.to(device)
             run.backward(model(input_ids=batch, labels=batch).loss)
             syncs.append(run.sync_gradients)
             optimizer.step()
             optimizer.zero_grad()
-    reference = zoo.tiny_llama()
+    reference = to_device(zoo.tiny_llama(), device)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     for window in _windows(ids, 2, STEPS):  # 5 batches: windows of 2, 2 and 1
+        window = window.to(device)
         reference(input_ids=window, labels=window).loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()

@@ -25,7 +25,7 @@ from retarget.core.errors import (
 from retarget.passes.compile import compile_regions
 from retarget.passes.pipeline import build_pipeline
 from retarget.spec.grammar import TargetError, parse_target
-from tests.conftest import step
+from tests.conftest import step, to_device
 from tests.zoo import ZOO, ResidualMLP, call, vector_inputs
 
 AOT = "compile[backend=aot_eager]"
@@ -116,14 +116,17 @@ def without_dropout(factory):
 
 
 @pytest.mark.parametrize(("name", "target"), ZOO_CASES, ids=[f"{n}-{t}" for n, t in ZOO_CASES])
-def test_zoo_trains_like_the_uncompiled_target(name, target):
+def test_zoo_trains_like_the_uncompiled_target(name, target, device):
     entry = ZOO[name]
     # Under bf16, AOT autograd rounds dropout's backward differently from eager (one bf16 ulp on
     # the gradients, test_bf16_dropout_differs_by_bf16_rounding_only); float32 keeps dropout.
     factory = without_dropout(entry.factory) if "bf16" in target else entry.factory
+    inputs = to_device(entry.inputs(2), device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerRegionWarning)
-        loss_err, grad_err, compiled = train_side_by_side(factory, entry.inputs(2), target)
+        loss_err, grad_err, compiled = train_side_by_side(
+            lambda: to_device(factory(), device), inputs, target
+        )
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (loss_err, grad_err)
     for region, summary in summaries(compiled).items():
         assert summary["compiles"] >= 1 and not summary["fallback"], (region, summary)

@@ -19,7 +19,7 @@ from retarget.passes.memory.activation_profile import ActivationProfile, BlockPr
 from retarget.passes.memory.budget import BudgetError, cost, solve_budget
 from retarget.passes.memory.checkpoint_blocks import CheckpointOptions
 from retarget.passes.memory.measure import measure_training_step
-from tests.conftest import assert_same_step, step
+from tests.conftest import assert_same_step, step, to_device
 from tests.distributed import run_ranks
 from tests.memory_ranks import fsdp_bf16_ac_rank
 from tests.zoo import ZOO, call, loss_of
@@ -45,12 +45,12 @@ def _deep_batch():
 
 # -- numerics ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", BLOCK_MODELS)
-def test_full_is_bitwise_equal_to_no_ac(name):
+def test_full_is_bitwise_equal_to_no_ac(name, device):
     """Loss, every gradient and every buffer (BatchNorm stats) equal eager's after a step."""
     entry = ZOO[name]
-    inputs = entry.inputs(2)
-    eager = entry.factory()
-    compiled = retarget.compile_for(entry.factory(), "ac", example_inputs=inputs)
+    inputs = to_device(entry.inputs(2), device)
+    eager = to_device(entry.factory(), device)
+    compiled = retarget.compile_for(to_device(entry.factory(), device), "ac", example_inputs=inputs)
     repeats = sum(len(group.paths) for group in compiled.program.blocks)
     assert _record(compiled).stats["checkpointed"] == repeats > 0
     assert_same_step(eager, compiled, inputs)
@@ -69,11 +69,13 @@ def test_full_is_bitwise_equal_to_no_ac(name):
         ("tiny_llama", "ac[budget=0.5]"),
     ],
 )
-def test_every_selective_and_budget_are_bitwise_equal_to_no_ac(name, target):
+def test_every_selective_and_budget_are_bitwise_equal_to_no_ac(name, target, device):
     entry = ZOO[name]
-    inputs = entry.inputs(2)
-    eager = entry.factory()
-    compiled = retarget.compile_for(entry.factory(), target, example_inputs=inputs)
+    inputs = to_device(entry.inputs(2), device)
+    eager = to_device(entry.factory(), device)
+    compiled = retarget.compile_for(
+        to_device(entry.factory(), device), target, example_inputs=inputs
+    )
     assert _record(compiled).changed
     assert_same_step(eager, compiled, inputs)
     assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), compiled.buffers(), strict=True))

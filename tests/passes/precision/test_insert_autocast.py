@@ -23,7 +23,7 @@ from retarget.passes.precision.autocast_graph import rewrite_graph
 from retarget.passes.precision.insert_autocast import AutocastOptions
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.spec.grammar import TargetError
-from tests.conftest import step
+from tests.conftest import step, to_device
 from tests.zoo import SEQ, VOCAB, ZOO, call, first_block_call, loss_of
 
 #: aten ops (dispatch level) that are the matmul class: what must see bf16 inputs.
@@ -65,11 +65,12 @@ class DtypeRecorder(TorchDispatchMode):
 
 
 @functools.cache
-def compiled_zoo(name: str, target: str = "bf16"):
+def compiled_zoo(name: str, target: str = "bf16", device: torch.device | None = None):
     """(eager fp32 model, compiled twin sharing its weights); read-only uses only."""
     entry = ZOO[name]
-    model = entry.factory()
-    return model, retarget.compile_for(model, target, example_inputs=entry.inputs(2))
+    model = to_device(entry.factory(), device or torch.device("cpu"))
+    example = to_device(entry.inputs(2), device or torch.device("cpu"))
+    return model, retarget.compile_for(model, target, example_inputs=example)
 
 
 def grad_error(reference: dict, got: dict) -> float:
@@ -129,9 +130,9 @@ def stack(block: type[nn.Module], target: str = "bf16"):
 
 # -- numerics -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(ZOO))
-def test_bf16_forward_backward_within_tolerance_of_fp32(name):
-    model, compiled = compiled_zoo(name)
-    inputs = ZOO[name].inputs(2)
+def test_bf16_forward_backward_within_tolerance_of_fp32(name, device):
+    model, compiled = compiled_zoo(name, device=device)
+    inputs = to_device(ZOO[name].inputs(2), device)
     loss, grads = step(model, inputs)
     loss_bf16, grads_bf16 = step(compiled, inputs)
     assert loss_bf16.dtype == torch.float32
@@ -142,13 +143,14 @@ def test_bf16_forward_backward_within_tolerance_of_fp32(name):
 
 
 @pytest.mark.parametrize("name", ["tiny_llama", "mnist_cnn"])
-def test_fp16_forward_backward_within_tolerance_of_fp32(name):
+def test_fp16_forward_backward_within_tolerance_of_fp32(name, device):
     # fp16 matmuls are very slow on this CPU: the two smallest models, batch 1.
     entry = ZOO[name]
-    model = entry.factory()
-    compiled = retarget.compile_for(model, "fp16", example_inputs=entry.inputs(1))
-    loss, grads = step(model, entry.inputs(1))
-    loss_fp16, grads_fp16 = step(compiled, entry.inputs(1))
+    model = to_device(entry.factory(), device)
+    inputs = to_device(entry.inputs(1), device)
+    compiled = retarget.compile_for(model, "fp16", example_inputs=inputs)
+    loss, grads = step(model, inputs)
+    loss_fp16, grads_fp16 = step(compiled, inputs)
     assert abs(loss_fp16 - loss).item() <= FP16_LOSS_ATOL
     assert 1e-5 < grad_error(grads, grads_fp16) <= FP16_GRAD_RTOL
 

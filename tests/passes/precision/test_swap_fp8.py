@@ -13,6 +13,7 @@ from retarget.kernels.fp8.native import Float8Linear
 from retarget.passes.precision.fp8_rules import RULES, EligibilityOptions, decide_all
 from retarget.passes.precision.swap_fp8 import SwapFp8, SwapFp8Options
 from retarget.spec.grammar import TargetError
+from tests.conftest import to_device
 from tests.kernels.test_fp8_native import OpRecorder
 from tests.zoo import ZOO, call, loss_of
 
@@ -125,9 +126,9 @@ def test_new_signatures_are_captured_and_routed_through_the_swap():
     assert sum("_scaled_mm" in name for name in ops.names()) == 13
 
 
-def _train(model, steps=30, lr=3e-3):
+def _train(model, device, steps=30, lr=3e-3):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batch = LLAMA.inputs(4)
+    batch = to_device(LLAMA.inputs(4), device)
     losses = []
     for _ in range(steps):
         loss = loss_of(call(model, batch))
@@ -139,8 +140,8 @@ def _train(model, steps=30, lr=3e-3):
 
 
 @pytest.fixture(scope="module")
-def fp32_curve():
-    return _train(LLAMA.factory())
+def fp32_curve(device):
+    return _train(to_device(LLAMA.factory(), device), device)
 
 
 @pytest.mark.parametrize(
@@ -150,11 +151,13 @@ def fp32_curve():
         "fp8[backend=torchao,scaling=current,min_size=16]",
     ],
 )
-def test_training_tracks_the_fp32_loss_curve(spec, fp32_curve):
+def test_training_tracks_the_fp32_loss_curve(spec, fp32_curve, device):
     if "torchao" in spec:
         pytest.importorskip("torchao")
-    compiled = retarget.compile_for(LLAMA.factory(), spec, example_inputs=LLAMA.inputs(2))
-    curve = _train(compiled)
+    compiled = retarget.compile_for(
+        to_device(LLAMA.factory(), device), spec, example_inputs=to_device(LLAMA.inputs(2), device)
+    )
+    curve = _train(compiled, device)
     assert fp32_curve[-1] < 0.15 * fp32_curve[0]  # the run learns: the comparison means something
     relative = (curve - fp32_curve).abs() / fp32_curve
     assert relative.max() < LOSS_CURVE_RTOL, relative
