@@ -27,6 +27,7 @@ COMMAND_GROUPS = (
     "retarget.cli.launch_commands",  # launch, config, env
     "retarget.cli.bench",  # bench
     "retarget.cli.bigmodel_commands",  # device-map
+    "retarget.cli.checkpoint_commands",  # convert-checkpoint
 )
 
 

@@ -2,7 +2,9 @@
 under torchrun: DDP over gloo): save_state after `--save-at` steps into `--checkpoint`, go on
 to `--steps`, and write each process's final state to `--final` (`{rank}` in it is replaced).
 tests/compat/accelerate/test_accelerate_checkpoints.py continues the checkpoint under retarget
-and compares with those final weights. The model, data and loop are in
+and compares with those final weights. With `--resume FOLDER` it loads that checkpoint instead
+(test_checkpoint_export.py: a retarget checkpoint converted to Accelerate's layout) and trains
+from `--save-at` to `--steps`. The model, data and loop are in
 accelerate_resume_run.py, shared with the retarget side."""
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ from accelerate_resume_run import Counter, batches, make_training, train  # noqa
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", help="where to save_state (not with --resume)")
     parser.add_argument("--final", required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--safe", type=int, default=1)
+    parser.add_argument("--resume", help="a checkpoint folder to continue from")
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True)
-    set_seed(0, device_specific=True)  # each process its own dropout masks and RNG files
+    # each process its own dropout masks and RNG files; a resumed run must owe nothing to the seed
+    set_seed(99 if args.resume else 0, device_specific=True)
     model, optimizer, scheduler = make_training()
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     data = batches(args.steps, accelerator.process_index)
-    train(accelerator, model, optimizer, scheduler, counter, data[: args.save_at])
-    accelerator.save_state(args.checkpoint, safe_serialization=bool(args.safe))
+    if args.resume:
+        accelerator.load_state(args.resume)
+    else:
+        train(accelerator, model, optimizer, scheduler, counter, data[: args.save_at])
+        accelerator.save_state(args.checkpoint, safe_serialization=bool(args.safe))
     drawn = [random.random(), float(np.random.rand())]  # training draws only from torch's
     train(accelerator, model, optimizer, scheduler, counter, data[args.save_at :])
     final = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}

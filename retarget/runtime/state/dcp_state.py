@@ -75,26 +75,58 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
             )
         else:
             set_model_state_dict(model, tree["model"])
-        for opt in group:
-            if all(opt is not other for other in stepped):
-                opt.state.clear()  # it had not stepped when saved
+        stateless = [opt for opt in group if all(opt is not other for other in stepped)]
+        # `groups` is missing in a checkpoint written before hyperparameters were saved
+        saved_groups = tree.get("groups") or [None] * len(stateless)
+        for opt, hyper in zip(stateless, saved_groups, strict=True):
+            opt.state.clear()  # it had no state when saved
+            if hyper is not None:
+                _restore_hyperparameters(folder, opt, hyper)
 
 
 def _model_trees(objects: CheckpointObjects, fresh: list[list[bool]]) -> list[dict[str, Any]]:
-    """Per model: its state dict and its stepped optimizers' (keyed by parameter names).
+    """Per model: its state dict, its stateful optimizers' (keyed by parameter names), and the
+    hyperparameters of the others (`"groups"`).
 
-    An optimizer that has not stepped yet has no state to save, and is left out: torch's
-    get_state_dict would fill it with a zero-lr step (running the optimizer's step hooks).
+    An optimizer with no state (one that has not stepped yet, or plain SGD, which keeps none)
+    is not given to torch's get_state_dict, which would fill it with a zero-lr step (running
+    the optimizer's step hooks). Its param groups' hyperparameters are saved all the same: an
+    LR scheduler changes `lr` there, and resuming without it would train at the initial rate.
     """
     trees = []
     for model, group, flags in zip(objects.models, objects.optimizers, fresh, strict=True):
         stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
         if stepped:
             model_sd, optim_sd = get_state_dict(model, stepped)
-            trees.append({"model": model_sd, "optim": optim_sd})
+            tree = {"model": model_sd, "optim": optim_sd}
         else:
-            trees.append({"model": get_model_state_dict(model)})
+            tree = {"model": get_model_state_dict(model)}
+        stateless = [opt for opt, was_fresh in zip(group, flags, strict=True) if was_fresh]
+        tree["groups"] = [_hyperparameters(opt) for opt in stateless]
+        trees.append(tree)
     return trees
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings, with `params` as the number of parameters in the group."""
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": len(group["params"])}
+        for group in optimizer.param_groups
+    ]
+
+
+def _restore_hyperparameters(
+    folder: Path, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
+) -> None:
+    live = [len(group["params"]) for group in optimizer.param_groups]
+    if live != [group["params"] for group in saved]:
+        raise CheckpointError(
+            f"{folder}: an optimizer's param groups hold {live} parameters here and "
+            f"{[group['params'] for group in saved]} in the checkpoint: build the same "
+            "optimizers as the saved run"
+        )
+    for group, hyper in zip(optimizer.param_groups, saved, strict=True):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
 
 
 def _strided(tensor: Any) -> bool:

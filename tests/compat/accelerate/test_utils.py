@@ -281,3 +281,17 @@ def test_accelerates_import_paths_reach_the_same_helpers():
     assert retarget.find_executable_batch_size is find_executable_batch_size
     assert retarget.debug_launcher is debug_launcher
     assert retarget.notebook_launcher is notebook_launcher
+
+
+def test_every_shared_name_of_accelerate_utils_is_in_retarget_utils():
+    """A script whose `from accelerate.utils import ...` lines are switched to retarget.utils
+    finds every class and helper retarget offers under Accelerate's names (the by_feature
+    examples import ProjectConfiguration, DistributedDataParallelKwargs, ... from there)."""
+    import accelerate.utils
+
+    import retarget
+    import retarget.utils
+
+    shared = [n for n in dir(retarget) if hasattr(accelerate.utils, n) and n[0] != "_"]
+    assert {"ProjectConfiguration", "TorchDynamoPlugin", "GradScalerKwargs"} <= set(shared)
+    assert [n for n in shared if getattr(retarget.utils, n, None) is not getattr(retarget, n)] == []

@@ -340,6 +340,46 @@ def test_several_models_each_with_its_optimizers(tmp_path):
     assert not torch.equal(a2[0].weight, b2[0].weight)  # the two were not mixed up
 
 
+def test_a_stateless_optimizer_resumes_at_its_scheduled_learning_rate(tmp_path, device):
+    """Plain SGD keeps no state, so torch's state-dict helpers have nothing to save for it; the
+    learning rate a scheduler lowered lives in its param groups and must come back all the same
+    (a resume trained at the initial rate, ahead of the uninterrupted run)."""
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, device=device)
+        opt = torch.optim.SGD(
+            [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.2}], lr=0.1
+        )
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(model, opt, sched):
+        model(torch.ones(2, 4, device=device)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    model, opt, sched = build()
+    for _ in range(3):
+        step(model, opt, sched)
+    save_state(tmp_path / "c", model=model, optimizers=opt, schedulers=sched)
+    step(model, opt, sched)
+    again, opt2, sched2 = build()
+    load_state(tmp_path / "c", model=again, optimizers=opt2, schedulers=sched2)
+    assert [g["lr"] for g in opt2.param_groups] == [0.1 * 0.5**3, 0.2 * 0.5**3]
+    step(again, opt2, sched2)
+    assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)
+    fresh = build()[0]
+    other = torch.optim.SGD(fresh.parameters(), lr=0.1)  # one group, not two
+    with pytest.raises(CheckpointError, match=r"param groups hold \[2\] parameters here"):
+        load_state(
+            tmp_path / "c",
+            model=fresh,
+            optimizers=other,
+            schedulers=torch.optim.lr_scheduler.StepLR(other, step_size=1),
+        )
+
+
 # ------------------------------------------------------------------------------ project, bad input
 
 
