@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.distributed
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from retarget.core.capturing import capturing_originals
-from retarget.core.errors import EagerRegionWarning, PassError
+from retarget.core.errors import EagerRegionWarning, PassError, RegionCompileError
 from retarget.core.module_record import record_of, records_replaced
 from retarget.core.slots import BINDINGS
 from retarget.frontends import EAGER, FRONTENDS, CapturedGraph, capture_call
@@ -87,6 +89,10 @@ class Region:
     eager_signatures: list[str] = field(default_factory=list)
     """Why each signature that failed to capture after the first one did (it runs eagerly)."""
     warned: set = field(default_factory=set, repr=False)
+    failed_graphs: dict[int, str] = field(default_factory=dict, repr=False)
+    """id(graph) -> why it failed at run time where the eager form ran: such calls run eagerly."""
+    ran_graphs: set[int] = field(default_factory=set, repr=False)
+    """id(graph) of the graphs that have run once: only a graph's first run is checked."""
     runner: CallRunner | None = field(default=None, repr=False)
     """Runs the calls in place of the plain graph or eager form (compile_regions installs it)."""
 
@@ -232,20 +238,74 @@ class Region:
             graph = None
         else:
             graph = self._graph_for_call(module, args, kwargs, walk.training())
-        if graph is None:
-            for _, wrap in self.eager_forms:
-                eager = wrap(eager)
-            if self.runner is not None and hooked is None:
-                return self.runner.eager_call(module, eager, args, kwargs)
-            return eager(*args, **kwargs)
+        if graph is None or id(graph) in self.failed_graphs:
+            return self._eager_call(module, eager, args, kwargs, hooked is None)
         bindings = BINDINGS.setdefault(module, {})
         cached = bindings.get(id(graph))
         if cached is None or cached[0] != self.version:
             cached = (self.version, graph.private_attributes(module))
             bindings[id(graph)] = cached
+        if id(graph) in self.ran_graphs:
+            return self._run_graph(module, graph, args, kwargs, cached[1])
+        try:  # its first run: a graph that raises where the eager form runs is at fault
+            result = self._run_graph(module, graph, args, kwargs, cached[1])
+        except _NOT_RETRIED:
+            raise
+        except Exception as error:
+            return self._after_graph_failure(module, graph, error, eager, args, kwargs)
+        self.ran_graphs.add(id(graph))
+        return result
+
+    def _run_graph(
+        self, module: nn.Module, graph: CapturedGraph, args: tuple, kwargs: dict, private: dict
+    ) -> Any:
         if self.runner is not None:
-            return self.runner.graph_call(module, graph, args, kwargs, cached[1])
-        return graph.run(module, args, kwargs, cached[1])
+            return self.runner.graph_call(module, graph, args, kwargs, private)
+        return graph.run(module, args, kwargs, private)
+
+    def _eager_call(
+        self, module: nn.Module, eager: Callable, args: tuple, kwargs: dict, via_runner: bool
+    ) -> Any:
+        """The call without a graph: the eager forward wrapped in every rewrite's eager form."""
+        for _, wrap in self.eager_forms:
+            eager = wrap(eager)
+        if self.runner is not None and via_runner:
+            return self.runner.eager_call(module, eager, args, kwargs)
+        return eager(*args, **kwargs)
+
+    def _after_graph_failure(
+        self,
+        module: nn.Module,
+        graph: CapturedGraph,
+        error: Exception,
+        eager: Callable,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """A graph raised at run time: run the eager form instead. If it runs, the graph is at
+        fault (a rewrite that does not hold for these values, say), and this signature runs
+        eagerly from now on, warned once and reported; if it raises too, that error is the
+        model's own and propagates."""
+        result = self._eager_call(module, eager, args, kwargs, True)
+        rewrites = list(dict.fromkeys(name for name, _ in self.transforms))
+        lost = [n for n in rewrites if n not in {name for name, _ in self.eager_forms}]
+        detail = (str(error).strip().splitlines() or [""])[0][:200]
+        why = f"its graph failed at run time ({type(error).__name__}: {detail})"
+        if rewrites:
+            why += f" after the rewrites of {', '.join(rewrites)}"
+        self.failed_graphs[id(graph)] = why
+        self.eager_signatures.append(why)
+        kept = (
+            f"without the rewrites of {', '.join(lost)}, which have no module-level form"
+            if lost
+            else "with the same rewrites in their module-level form"
+        )
+        self._warn_once(
+            ("failed", id(graph)),
+            f"retarget: region {self.name}: {why}; calls of that signature run the eager "
+            f"forward instead, {kept}; compiled.report shows it",
+        )
+        return result
 
     def graph_epoch(self) -> tuple:
         """Changes whenever the graph table may have: a capture, a reuse, a removal."""
@@ -271,6 +331,23 @@ class Region:
         if graph is not None:
             remember_call(module, token, graph, self, self.graph_epoch())
         return graph
+
+
+#: Errors a graph's first run is not retried for: retarget's own (a compile that `fullgraph`
+#: makes an error), memory the eager form would run out of too, checkpoint's control flow, and a
+#: collective's (running a step twice would leave the other ranks waiting).
+_NOT_RETRIED: tuple[type[BaseException], ...] = (
+    RegionCompileError,
+    PassError,
+    torch.OutOfMemoryError,
+    # torch.utils.checkpoint stops a recomputation early with an exception of its own
+    *(
+        (torch.utils.checkpoint._StopRecomputationError,)
+        if hasattr(torch.utils.checkpoint, "_StopRecomputationError")
+        else ()
+    ),
+    *((torch.distributed.DistError,) if torch.distributed.is_available() else ()),
+)
 
 
 def _mismatch_only(failures: list[tuple[str, str]]) -> bool:

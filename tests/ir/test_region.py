@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 from torch import nn
 
 import retarget
+from retarget.core.errors import EagerRegionWarning
 from retarget.ir.region import call_key
 
 
@@ -178,3 +182,85 @@ def test_eager_forms_wrap_calls_that_run_without_a_graph():
     assert calls == []  # graph calls are rewritten by the graph transform, not the eager form
     compiled(x, tricky=True)
     assert calls == ["eager", "eager"]
+
+
+def _failing_rewrite(gm):
+    """A graph rewrite that does not hold at run time (as a precision rewrite meeting a value it
+    cannot represent would): the graph raises where the eager forward runs."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    values = output.args[0]
+    with gm.graph.inserting_before(output):
+        checked = gm.graph.call_function(_refuse_at_run_time, (values[0],))
+    output.args = ((checked, *values[1:]),)
+
+
+def _refuse_at_run_time(x):
+    raise RuntimeError("value cannot be converted to type c10::BFloat16 without overflow")
+
+
+def test_a_graph_failing_at_run_time_runs_the_eager_form_warned_once_and_reported():
+    torch.manual_seed(0)
+    model = Stack(depth=2)
+    x = torch.randn(2, 8)
+    compiled = retarget.compile_for(model, example_inputs=x)
+    (region,) = compiled.program.regions
+    calls = []
+
+    def tag(forward):
+        def wrapped(*args, **kwargs):
+            calls.append("eager form")
+            return forward(*args, **kwargs)
+
+        return wrapped
+
+    region.add_transform("overflowing", _failing_rewrite, eager_form=tag)
+    with pytest.warns(EagerRegionWarning) as caught:
+        out = compiled(x)
+    assert torch.equal(out, model(x))
+    assert len(calls) == 2  # each repeat ran the rewrite's module-level form instead
+    (warning,) = [w for w in caught if "failed at run time" in str(w.message)]
+    assert "RuntimeError: value cannot be converted" in str(warning.message)
+    assert "after the rewrites of overflowing" in str(warning.message)
+    assert "with the same rewrites in their module-level form" in str(warning.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the signature now runs eagerly without retrying
+        assert torch.equal(compiled(x), model(x))
+    assert len(calls) == 4
+    (reported,) = compiled.report.to_dict()["regions"][0]["eager_signatures"]
+    assert reported.startswith("its graph failed at run time (RuntimeError")
+    assert "1 call signature(s) eager" in str(compiled.report)
+
+
+def test_a_rewrite_without_module_level_form_says_it_is_not_applied_there():
+    torch.manual_seed(0)
+    model = Stack(depth=2)
+    compiled = retarget.compile_for(model, example_inputs=torch.randn(2, 8))
+    (region,) = compiled.program.regions
+    region.add_transform("overflowing", _failing_rewrite)
+    with pytest.warns(EagerRegionWarning, match="without the rewrites of overflowing, which have"):
+        compiled(torch.randn(2, 8))
+
+
+class ExplodingBlock(Block):
+    explode = False
+
+    def forward(self, x, scale=1.0):
+        if self.explode:  # not in the graph: the trace saw False
+            raise ValueError("the model's own error")
+        return super().forward(x, scale)
+
+
+def test_when_the_eager_forward_fails_too_its_error_is_raised():
+    torch.manual_seed(0)
+    compiled = retarget.compile_for(
+        Stack(depth=2, block=ExplodingBlock), example_inputs=torch.randn(2, 8)
+    )
+    (region,) = compiled.program.regions
+    region.add_transform("overflowing", _failing_rewrite)
+    ExplodingBlock.explode = True
+    try:
+        with pytest.raises(ValueError, match="the model's own error"):
+            compiled(torch.randn(2, 8))
+    finally:
+        ExplodingBlock.explode = False
+    assert region.failed_graphs == {}  # the graph was not blamed
