@@ -42,7 +42,7 @@ _LAZY_COMPILER = {
     **_COMPILER,
     "OptimizerNotPrepared": "retarget.execution.step_guard",
     "XlaRecompileWarning": "retarget.execution.xla_placement",
-    "CheckpointError": "retarget.runtime.state.folder",
+    "CheckpointError": "retarget.core.errors",
 }
 #: Accelerate's names, from their compat home (the front door pulls in the whole runtime, and
 #: reading Accelerate's config YAML needs PyYAML).

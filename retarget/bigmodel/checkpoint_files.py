@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from retarget.core.errors import CheckpointError
 from retarget.spec.values import parse_dtype
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -49,10 +50,6 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this model, named by file and key."""
 
 
 @dataclass(frozen=True)

@@ -39,5 +39,11 @@ class UncompiledRegionWarning(UserWarning):
     """A region asked to be compiled (the `compile` part) runs uncompiled: its compile failed."""
 
 
+class CheckpointError(ValueError):
+    """Saved state that cannot be loaded as asked: a save_state folder that is missing,
+    incomplete, damaged or of another run, or weight files that do not fit the model (the
+    message names the folder, file or key, and what to do)."""
+
+
 class RegionCompileError(RuntimeError):
     """compile[fullgraph=true]: a region did not compile as one graph. Names the region."""

@@ -318,3 +318,17 @@ def test_a_tie_all_on_disk_gives_every_name_the_same_record(tmp_path):
     assert result.disk["lm_head.weight"] == result.disk["transformer.wte.weight"]
     assert result.disk["lm_head.weight"].key == "transformer.wte.weight"
     assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.is_meta
+
+
+def test_one_checkpoint_error_for_weight_files_and_save_state_folders(tmp_path):
+    """`except retarget.CheckpointError` catches a weight file that does not fit as well as a
+    save_state folder that is missing: one class, not one per layer."""
+    import retarget
+    from retarget.runtime.state.checkpoint import load_state
+
+    model = torch.nn.Linear(4, 4)
+    save_file({"weight": torch.zeros(3, 3), "bias": torch.zeros(4)}, tmp_path / "w.safetensors")
+    with pytest.raises(retarget.CheckpointError, match="weight"):
+        load_checkpoint_in_model(model, tmp_path / "w.safetensors")
+    with pytest.raises(retarget.CheckpointError, match="no checkpoint at"):
+        load_state(tmp_path / "missing", model=model)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from retarget.core.errors import CheckpointError
 from retarget.core.version import __version__
 from retarget.execution.process import ProcessState
 
@@ -37,10 +38,6 @@ FORMAT_VERSION = 1
 _STAGING_SUFFIX = ".incomplete"
 #: Files only save_state writes: their presence without a manifest means an interrupted save.
 _OUR_FILE = re.compile(r"model/.*|model_state\.json|rank_\d+\.(json|safetensors)")
-
-
-class CheckpointError(ValueError):
-    """A folder is not a complete checkpoint this run can load (the message says why)."""
 
 
 class IncompleteCheckpointError(CheckpointError):
