@@ -154,3 +154,50 @@ def test_what_has_no_place_in_accelerate_is_refused_before_writing(tmp_path):
     (tmp_path / "empty").mkdir()
     assert "model.safetensors" in write_accelerate_checkpoint(stepped, tmp_path / "empty").written
     assert not list(tmp_path.glob(".empty.*"))  # the staging folder became the result
+
+
+def _fsdp_saved(rank: int, world: int, folder: str) -> dict:
+    """A tiny Llama sharded by FSDP2 over 2 ranks, one AdamW step, save_state (each rank writes
+    its shards); rank 0 returns the whole model and optimizer state at the save."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from retarget.runtime.state.checkpoint import save_state
+    from tests.zoo import lm_inputs, tiny_llama
+
+    model = tiny_llama()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(**lm_inputs(2)).loss.backward()
+    optimizer.step()
+    save_state(folder, model=model, optimizers=optimizer, step=1)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights, optim = get_state_dict(model, optimizer, options=full)  # empty on rank 1
+    if rank != 0:
+        return {}
+    order = [name for group in optim["param_groups"] for name in group["params"]]
+    return {"weights": weights, "state": optim["state"], "order": order}
+
+
+@pytest.mark.distributed
+def test_fsdp_shards_are_joined_into_accelerate_s_whole_files(tmp_path):
+    from safetensors.torch import load_file
+
+    (whole, _) = run_ranks(_fsdp_saved, 2, str(tmp_path / "ours"), timeout=240)
+    write_accelerate_checkpoint(tmp_path / "ours", tmp_path / "theirs")
+    weights = load_file(tmp_path / "theirs" / "model.safetensors")
+    torch.testing.assert_close(weights, whole["weights"], rtol=0, atol=0)
+    optimizer = torch.load(tmp_path / "theirs" / "optimizer.bin", weights_only=True)
+    assert optimizer["param_groups"][0]["params"] == list(range(len(whole["order"])))
+    for position, name in enumerate(whole["order"]):
+        torch.testing.assert_close(
+            optimizer["state"][position], whole["state"][name], rtol=0, atol=0
+        )
+    assert sorted(p.name for p in (tmp_path / "theirs").glob("random_states_*")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
