@@ -31,6 +31,17 @@ def _config():
     )
 
 
+def _built_on_rank(config, rank: int):
+    """The model from seed 0 on rank 0, on meta elsewhere: what a user of rank-0 loading builds."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if rank == 0:
+        return LlamaForCausalLM(config)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
 def _peak_mib_reset() -> float:
     """This process's peak resident memory so far (MiB); the peak restarts from now."""
     with open("/proc/self/status") as status:
@@ -66,12 +77,7 @@ def _rank_body(rank: int, world: int) -> dict:
     )
     small_batch = {"input_ids": ids % 64, "labels": ids % 64}
     retarget.compile_for(LlamaForCausalLM(small), TARGET, example_inputs=small_batch)
-    torch.manual_seed(0)
-    if rank == 0:
-        model = LlamaForCausalLM(config)
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+    model = _built_on_rank(config, rank)
     full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     before = _resident_mib()
     _peak_mib_reset()
@@ -90,12 +96,7 @@ def _rank_body(rank: int, world: int) -> dict:
         "zero2[cpu_ram_efficient_loading=true]",
         "hsdp[cpu_ram_efficient_loading=true,replicate=2,shard=1]",
     ):
-        torch.manual_seed(0)
-        if rank == 0:
-            model = LlamaForCausalLM(small)
-        else:
-            with torch.device("meta"):
-                model = LlamaForCausalLM(small)
+        model = _built_on_rank(small, rank)
         got = retarget.compile_for(model, target, example_inputs=small_batch).unwrap()
         torch.manual_seed(0)
         want = LlamaForCausalLM(small).state_dict()

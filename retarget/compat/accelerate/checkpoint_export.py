@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from retarget.compat.accelerate.checkpoint_folder import numbered_file
 from retarget.runtime.state.codec import decode, read_tree
 from retarget.runtime.state.folder import CheckpointError, verify_folder
 
@@ -120,7 +121,7 @@ def _model_trees(source: Path) -> list[dict[str, Any]]:
 def _write_models(staging: Path, trees: list[dict[str, Any]], done: Conversion) -> None:
     for index, tree in enumerate(trees):
         weights = {k: v.contiguous() for k, v in tree["model"].items()}
-        name = _numbered("model", index, "safetensors")
+        name = numbered_file("model", index, "safetensors")
         save_file(weights, staging / name, metadata={"format": "pt"})
         done.written.append(name)
         optimizer = None
@@ -129,7 +130,7 @@ def _write_models(staging: Path, trees: list[dict[str, Any]], done: Conversion) 
         elif tree.get("groups"):  # no state (not stepped, or plain SGD): hyperparameters only
             optimizer = _stateless(tree["groups"][0])
         if optimizer is not None:
-            name = _numbered("optimizer", index, "bin")
+            name = numbered_file("optimizer", index, "bin")
             torch.save(optimizer, staging / name)
             done.written.append(name)
 
@@ -161,7 +162,7 @@ def _stateless(groups: list[dict[str, Any]]) -> dict[str, Any]:
 def _write_per_run(staging: Path, state: dict[str, Any], done: Conversion) -> None:
     """What every rank holds alike, from rank 0: schedulers, the scaler, registered objects."""
     for index, scheduler in enumerate(state["schedulers"]):
-        name = _numbered("scheduler", index, "bin")
+        name = numbered_file("scheduler", index, "bin")
         torch.save(scheduler, staging / name)
         done.written.append(name)
     if state["scaler"] is not None:
@@ -199,7 +200,3 @@ def _random_states(state: dict[str, Any], rank: int, done: Conversion) -> dict[s
             "from one list; only cuda:0's is saved per rank)"
         )
     return states
-
-
-def _numbered(stem: str, index: int, ext: str) -> str:
-    return f"{stem}.{ext}" if index == 0 else f"{stem}_{index}.{ext}"

@@ -126,10 +126,10 @@ def load_accelerate_state(folder: str | Path, objects: AccelerateObjects, *, ran
     _check_counts(folder, objects)
     weights = [_read_weights(folder, i) for i in range(len(objects.models))]
     optimizers = [
-        read_pickle(folder / _numbered("optimizer", i)) for i in range(len(objects.optimizers))
+        read_pickle(folder / numbered_file("optimizer", i)) for i in range(len(objects.optimizers))
     ]
     schedulers = [
-        read_pickle(folder / _numbered("scheduler", i)) for i in range(len(objects.schedulers))
+        read_pickle(folder / numbered_file("scheduler", i)) for i in range(len(objects.schedulers))
     ]
     scaler = None
     if objects.grad_scaler is not None:
@@ -163,7 +163,8 @@ def load_accelerate_state(folder: str | Path, objects: AccelerateObjects, *, ran
     return int(rng.get("step", 0))
 
 
-def _numbered(stem: str, index: int, ext: str = "bin") -> str:
+def numbered_file(stem: str, index: int, ext: str = "bin") -> str:
+    """Accelerate's name for the `index`-th file of a kind: `optimizer.bin`, `optimizer_1.bin`."""
     return f"{stem}.{ext}" if index == 0 else f"{stem}_{index}.{ext}"
 
 
@@ -204,11 +205,11 @@ def _check_counts(folder: Path, objects: AccelerateObjects) -> None:
 
 
 def _read_weights(folder: Path, index: int) -> dict[str, torch.Tensor]:
-    safe = folder / _numbered("model", index, "safetensors")
+    safe = folder / numbered_file("model", index, "safetensors")
     if safe.is_file():
         return load_file(safe)
     return read_pickle(
-        _required(folder / _numbered("pytorch_model", index), f"model {index} is prepared")
+        _required(folder / numbered_file("pytorch_model", index), f"model {index} is prepared")
     )
 
 

@@ -75,7 +75,7 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
             )
         else:
             set_model_state_dict(model, tree["model"])
-        stateless = [opt for opt in group if all(opt is not other for other in stepped)]
+        stateless = [opt for opt, was_fresh in zip(group, flags, strict=True) if was_fresh]
         # `groups` is missing in a checkpoint written before hyperparameters were saved
         saved_groups = tree.get("groups") or [None] * len(stateless)
         for opt, hyper in zip(stateless, saved_groups, strict=True):
