@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,12 +88,14 @@ def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
     A DTensor in `source` is gathered whole (a collective: every rank must call this). A
     parameter of `target` that `release_replaced` emptied gets fresh storage holding the
     gathered tensor, in place (the same Parameter object, so references to it see the weights).
+    A module of `source` that stands in for one of the user's (a quantized Linear) and says
+    what the user's module held (`original_state()`) gives that instead of its own tensors.
     Returns how many tensors were copied (0 when the trees share every tensor).
     """
     target_state = target.state_dict(keep_vars=True)
     copied = 0
     with torch.no_grad():
-        for key, value in source.state_dict(keep_vars=True).items():
+        for key, value in original_form_state(source).items():
             dest = target_state[key]
             if dest is value or not isinstance(value, torch.Tensor):
                 continue
@@ -103,6 +106,24 @@ def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
                 dest.copy_(full.detach().to(dest.device))
             copied += 1
     return copied
+
+
+def original_form_state(module: nn.Module) -> dict[str, Any]:
+    """`module.state_dict(keep_vars=True)`, where each submodule with an `original_state()`
+    method (a stand-in for the user's module) shows what that method returns under its path
+    instead of its own parameters and buffers."""
+    state = module.state_dict(keep_vars=True)
+    for path, sub in module.named_modules():
+        original = getattr(type(sub), "original_state", None)
+        if not callable(original):
+            continue
+        prefix = f"{path}." if path else ""
+        own = [name for name, _ in sub.named_parameters(recurse=False)]
+        own += [name for name, _ in sub.named_buffers(recurse=False)]
+        for name in own:
+            state.pop(prefix + name, None)
+        state.update({prefix + k: v for k, v in sub.original_state().items()})
+    return state
 
 
 def release_replaced(original: nn.Module, current: nn.Module) -> int:

@@ -62,6 +62,8 @@ class Analysis:
     """annotate_shapes: FLOPs of one forward of the whole model on the example inputs."""
     fp8: dict[str, Any] | None = None
     """swap_fp8: the backend, why it was chosen, the recipe, and every Linear's decision."""
+    quant: dict[str, Any] | None = None
+    """quantize_linears: the backend, the format, every Linear's decision and the bytes."""
     activation_profile: Any = None
     """checkpoint_blocks: the ActivationProfile of one forward (what each repeat keeps)."""
     checkpoint: dict[str, Any] | None = None

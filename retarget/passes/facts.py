@@ -55,6 +55,11 @@ def fp8_decided(p: Program) -> bool:
     return "linears" in (p.analysis.fp8 or {})
 
 
+def quant_decided(p: Program) -> bool:
+    """the quant decision for every Linear is recorded in analysis.quant"""
+    return "linears" in (p.analysis.quant or {})
+
+
 def checkpoints_installed(p: Program) -> bool:
     """every repeat the checkpoint plan gives a policy runs under a checkpoint"""
     plan = (p.analysis.checkpoint or {}).get("plan", {})
@@ -127,6 +132,7 @@ FACTS: dict[str, Fact] = {
     "shapes": shapes_recorded,
     "autocast": autocast_applied,
     "fp8": fp8_decided,
+    "quant": quant_decided,
     "ac": checkpoints_installed,
     "ddp": ddp_planned,
     "zero1": zero1_planned,

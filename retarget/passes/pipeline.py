@@ -25,6 +25,7 @@ from retarget.passes.memory.checkpoint_blocks import CheckpointBlocks
 from retarget.passes.place.place_xla import PlaceXla
 from retarget.passes.place.plan_stream import PlanStream
 from retarget.passes.precision.insert_autocast import InsertAutocast
+from retarget.passes.precision.quantize_linears import QuantizeLinears
 from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
@@ -45,6 +46,10 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # of the rewrites: autocast leaves FP8 Linears alone and FSDP shards the swapped modules'
     # Parameters (insert_autocast, checkpoint_blocks, shard_* are declared after swap_fp8).
     (frozenset({"fp8"}), SwapFp8),
+    # quant: eligible Linears become frozen 4/8-bit ones, at the same place and for the same
+    # reasons as fp8 (the two do not combine): autocast leaves the quantized modules alone,
+    # checkpointing recomputes them, FSDP shards their packed weights (declared after it).
+    (frozenset({"quant"}), QuantizeLinears),
     # bf16/fp16: matmuls in low precision, fp32 islands. Before checkpointing and sharding,
     # which recompute and shard the casts with the blocks (declared after insert_autocast);
     # fp16 also records the loss scaler in the plan.

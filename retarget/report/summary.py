@@ -53,6 +53,7 @@ class Report:
             "passes": [record.to_dict() for record in p.history],
             "modules": p.analysis.modules or {},
             "fp8": p.analysis.fp8,
+            "quant": p.analysis.quant,
             "plan": p.plan.to_dict(),
             "memory": memory.to_dict(),
             "xla": xla_dict(p),
@@ -96,8 +97,9 @@ class Report:
         if d["modules"]:
             lines += ["", "linear / conv modules"]
             fp8 = (d["fp8"] or {}).get("linears", {})
+            quant = (d["quant"] or {}).get("linears", {})
             header = ("module", "class", "weight", "flops", "inputs")
-            rows = [header + (("fp8",) if fp8 else ())]
+            rows = [header + (("fp8",) if fp8 else ()) + (("quant",) if quant else ())]
             for path, m in d["modules"].items():
                 row = (
                     path,
@@ -108,6 +110,8 @@ class Report:
                 )
                 if fp8:
                     row += (_fp8_decision(fp8.get(path)),)
+                if quant:
+                    row += (_quant_decision(quant.get(path)),)
                 rows.append(row)
             lines += _table(rows)
         lines += ["", *str(memory).splitlines()]
@@ -124,6 +128,14 @@ def _fp8_decision(decision: dict[str, Any] | None) -> str:
         return ""
     if decision["swapped"]:
         return f"swapped ({decision.get('class', 'fp8')})"
+    return f"kept: {decision['rule']}"
+
+
+def _quant_decision(decision: dict[str, Any] | None) -> str:
+    if decision is None:
+        return ""
+    if decision["quantized"]:
+        return f"{decision['format']} ({decision['bytes']:,} bytes)"
     return f"kept: {decision['rule']}"
 
 

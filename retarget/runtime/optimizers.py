@@ -19,6 +19,7 @@ would be wrong) is the execution layer's: retarget/execution/step_guard.py.
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from retarget.execution.step_guard import OptimizerNotPrepared
+from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.runtime.scaler import LossScaler
 
 # -- remapping ------------------------------------------------------------------------------
@@ -55,6 +57,28 @@ def remap_parameters(optimizer: Optimizer, compiled: nn.Module, original: nn.Mod
                 changed += 1
         group["params"] = new
     return changed
+
+
+def warn_frozen_quantized(optimizer: Optimizer, compiled: nn.Module) -> int:
+    """Warn when the optimizer holds the frozen packed weights of quantized Linears (quant).
+
+    They never get a gradient, so torch's optimizers skip them and training is right; but the
+    user most likely meant to pass only the trainable parameters (the adapters). Returns how
+    many it holds."""
+    frozen = {
+        id(module.weight)
+        for module in compiled.modules()
+        if isinstance(module, QuantizedLinear) and not module.weight.requires_grad
+    }
+    count = sum(id(p) in frozen for group in optimizer.param_groups for p in group["params"])
+    if count:
+        warnings.warn(
+            f"prepare: {type(optimizer).__name__} holds {count} frozen quantized weights "
+            "(quant): they get no gradient and are skipped; pass only the trainable "
+            "parameters, e.g. [p for p in model.parameters() if p.requires_grad]",
+            stacklevel=3,
+        )
+    return count
 
 
 # -- zero1 ----------------------------------------------------------------------------------

@@ -59,7 +59,12 @@ from retarget.execution.process import ProcessState, ProcessStateFacade
 from retarget.execution.step_guard import StepGuard, guard_of
 from retarget.execution.xla_placement import xla_steps
 from retarget.runtime.data.xla_feed import feed_for
-from retarget.runtime.optimizers import ScaledOptimizer, remap_parameters, zero_redundancy
+from retarget.runtime.optimizers import (
+    ScaledOptimizer,
+    remap_parameters,
+    warn_frozen_quantized,
+    zero_redundancy,
+)
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
 from retarget.runtime.step import (
     HeldGradients,
@@ -203,6 +208,7 @@ class Runtime(ProcessStateFacade):
 
     def _prepare_new(self, optimizer: Optimizer) -> Optimizer:
         remap_parameters(optimizer, self.model, self.program.original)
+        warn_frozen_quantized(optimizer, self.model)
         prepared = optimizer
         guard = self.guard
         if self.applied is not None and self.program.plan.zero1 is not None:

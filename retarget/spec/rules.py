@@ -43,6 +43,8 @@ _TP_CONFLICTS = {
     "modules are not nn.Linear; drop one of them",
     "offload": "'offload' and 'tp' do not combine: CPU offload of tp's 2-D DTensor shards is "
     "not implemented; drop offload",
+    "quant": "'quant' and 'tp' do not combine yet: torch's parallel styles split nn.Linear "
+    "weights and quantized Linears hold one packed buffer; use fsdp+quant",
 }
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {
@@ -61,6 +63,7 @@ CONFLICTS: dict[frozenset[str], str] = {
             "tp",
             "ac",
             "fp8",
+            "quant",
             "offload",
             "powersgd",
             "fp16-comm",
@@ -71,6 +74,11 @@ CONFLICTS: dict[frozenset[str], str] = {
     "(bf16 needs no loss scaling)",
     frozenset(("fp16", "fp8")): "'fp16' and 'fp8' do not combine: fp8 runs the other ops in "
     "bf16; use bf16+fp8",
+    frozenset(("fp8", "quant")): "'fp8' and 'quant' do not combine: both replace the Linear "
+    "layers (fp8 trains them in float8, quant freezes them as 4/8-bit weights); pick one",
+    frozenset(("offload", "quant")): "'offload' and 'quant' do not combine yet: CPU offload "
+    "of the packed quantized weights is not implemented; drop offload (quant already keeps "
+    "the base weights at a quarter of their size or less)",
     frozenset(("fp16-comm", "bf16-comm")): "'fp16-comm' and 'bf16-comm' both cast gradients "
     "for the all-reduce; pick one",
     frozenset(("powersgd", "fp16-comm")): "'powersgd' and 'fp16-comm' "
@@ -133,6 +141,10 @@ OPTION_RULES: tuple[tuple[str, str, Any, str, Any, str], ...] = (
         ("fp8", key, None, "scaling", ("delayed",), "only delayed scaling keeps an amax history")
         for key in ("amax_history", "amax_algo")
     ),
+    ("quant", "type", ("int8",), "bits", ("8",), "int8 is the 8-bit code"),
+    ("quant", "type", ("nf4", "fp4"), "bits", ("4",), "nf4 and fp4 are 4-bit codes"),
+    ("quant", "double_quant", (True,), "bits", ("4",), "only 4-bit blocks have scales to quantize"),
+    ("quant", "block_size", None, "bits", ("4",), "int8 has one scale per row, not blocks"),
     ("ac", "budget", None, "policy", ("budget",), "a budget applies to policy=budget only"),
     ("ac", "policy", ("budget",), "budget", None, "write e.g. ac[budget=0.5] or ac[budget=8GiB]"),
     ("offload", "params", (False,), "optimizer", (True,), "otherwise nothing is offloaded"),
@@ -144,7 +156,9 @@ NAME_HINTS = dict(
     pair.split(":")
     for pair in "fsdp1:fsdp fsdp2:fsdp float8:fp8 bfloat16:bf16 float16:fp16 half:fp16"
     " checkpoint:ac activation_checkpointing:ac dynamo:compile torch_compile:compile"
-    " cpu_offload:offload tensor_parallel:tp hybrid_shard:hsdp dp:ddp no:single none:single".split()
+    " cpu_offload:offload tensor_parallel:tp hybrid_shard:hsdp dp:ddp no:single none:single"
+    " qlora:quant bnb:quant bitsandbytes:quant nf4:quant int8:quant int4:quant"
+    " quantize:quant".split()
 )
 
 

@@ -157,6 +157,26 @@ PARTS: dict[str, PartSchema] = {
             "opt_level": enum_option("o2", "o1|o2", "MS-AMP optimisation level"),
         },
     ),
+    "quant": PartSchema(
+        "frozen 4/8-bit weights in Linear layers (weight-only; train adapters such as LoRA on top)",
+        {
+            "bits": enum_option("4", "4|8", "bits per weight"),
+            "type": enum_option(
+                "auto", "auto|nf4|fp4|int8", "the code: auto is nf4 for 4 bits, int8 for 8"
+            ),
+            "backend": enum_option(
+                "auto", "auto|native|bnb|torchao", "implementation (auto: native, torch ops)"
+            ),
+            "compute": enum_option(
+                "auto",
+                "auto|bf16|fp16|fp32",
+                "dtype of the matmul: auto is the target's bf16/fp16, else the input's",
+            ),
+            "double_quant": bool_option(False, "4-bit: quantize the block scales to int8 too"),
+            "block_size": int_option(64, "4-bit: weights per scale block (even)", low=2),
+            "skip": list_option("", "", "never quantize Linears whose name matches (fnmatch)"),
+        },
+    ),
     "ac": PartSchema(
         "activation checkpointing of repeated blocks",
         {

@@ -58,6 +58,9 @@ NON_DEFAULT = [
     "fp8[backend=msamp,opt_level=o1]",
     "fp8[backend=torchao,scaling=rowwise]",
     "fp8[scaling=current]",
+    "quant[backend=native,block_size=128,compute=bf16,double_quant=true,skip=*.o_proj|mlp.*,"
+    "type=fp4]",
+    "quant[bits=8,type=int8]",
     "ac[every=2,policy=selective]",
     "ac[budget=0.5]",
     "fsdp+offload[optimizer=false,pin_memory=true]",
@@ -205,8 +208,8 @@ ERRORS = [
         "xyzzy",
         "xyzzy",
         "unknown target part 'xyzzy'; expected one of: single, ddp, fsdp, zero1, zero2, zero3, "
-        "hsdp, tp, xla, bf16, fp16, fp8, ac, offload, compile, powersgd, fp16-comm, bf16-comm, "
-        "stream",
+        "hsdp, tp, xla, bf16, fp16, fp8, quant, ac, offload, compile, powersgd, fp16-comm, "
+        "bf16-comm, stream",
     ),
     # unknown options
     (

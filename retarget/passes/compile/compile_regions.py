@@ -1,6 +1,7 @@
 """compile_regions (`compile`): torch.compile each region's final graph, once per block type.
 
-Contract: requires regions | provides compiled | after swap_fp8, insert_autocast, checkpoint_blocks
+Contract: requires regions | provides compiled | after swap_fp8, quantize_linears, insert_autocast,
+    checkpoint_blocks
     | numerics approx(rtol=0.0001, atol=1e-05) | options CompileOptions
 
 `compile[backend=inductor|aot_eager|eager|..., mode=..., dynamic=auto|true|false,
@@ -62,7 +63,7 @@ class CompileRegions(Pass):
     provides = ("compiled",)
     # Compile what the blocks finally compute: casts, fp8 modules and checkpoint wrappers are in
     # place (torchtitan's order: ac, then compile, then shard; shard_* declare after this pass).
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks")
+    after = ("swap_fp8", "quantize_linears", "insert_autocast", "checkpoint_blocks")
     # aot_eager runs the graph's own aten ops: bitwise on the float32 zoo, gradients within a bf16
     # ulp under bf16 with dropout (tests/passes/compile/test_compile_regions.py); inductor fuses
     # kernels and reorders floating point sums.

@@ -1,6 +1,7 @@
 """checkpoint_blocks (`ac`): recompute repeated blocks in backward instead of keeping activations.
 
-Contract: requires regions | provides ac | after swap_fp8, insert_autocast | numerics exact
+Contract: requires regions | provides ac | after swap_fp8, quantize_linears, insert_autocast
+    | numerics exact
     | options CheckpointOptions
 
 Policies (`ac[...]` options):
@@ -92,7 +93,7 @@ class CheckpointBlocks(Pass):
     requires = ("regions",)
     provides = ("ac",)
     # The recompute runs the blocks as they finally compute: casts and fp8 modules included.
-    after = ("swap_fp8", "insert_autocast")
+    after = ("swap_fp8", "quantize_linears", "insert_autocast")
     Options = CheckpointOptions
 
     @classmethod

@@ -1,6 +1,6 @@
 """insert_autocast: run the matmul class in bf16/fp16, keep numerically sensitive ops in float32.
 
-Contract: requires regions | provides autocast | after swap_fp8
+Contract: requires regions | provides autocast | after swap_fp8, quantize_linears
     | numerics approx(rtol=0.02, atol=0.02) | options AutocastOptions
 
 Three forms, one per kind of code, so that every part of the model honours the target:
@@ -112,7 +112,10 @@ class InsertAutocast(Pass):
     requires = ("regions",)
     provides = ("autocast",)
     # FP8 Linears keep their own precision: the rewrite must see them already swapped.
-    after = ("swap_fp8",)
+    after = (
+        "swap_fp8",
+        "quantize_linears",
+    )
     # Measured on the zoo at batch 2, train and eval: largest |output(bf16) - output(fp32)| is
     # 6.2e-3 (transformer_encoder); fp16 4.7e-4. The tolerance leaves 3x room.
     numerics = Numerics("approx", rtol=2e-2, atol=2e-2)

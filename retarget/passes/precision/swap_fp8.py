@@ -140,7 +140,7 @@ class SwapFp8(Pass):
         options = self.options
         recipe = options.recipe()
         backend, why = select_backend(options.backend, recipe, self.environment)
-        decisions = decide_all(program.module, options.eligibility(), _called_paths(program))
+        decisions = decide_all(program.module, options.eligibility(), called_paths(program))
         chosen = [d.path for d in decisions if d.swapped]
         devices = {program.submodule(path).weight.device for path in chosen}
         backend.check(recipe, self.environment, devices)  # refuse before touching anything
@@ -169,7 +169,7 @@ class SwapFp8(Pass):
         stats["graph_module_calls"] = sum(calls.values())
         notes = (
             f"{why}; {recipe.format} format, {recipe.scaling} scaling",
-            f"swapped {len(chosen)} of {len(decisions)} Linears: {_compress(chosen)}",
+            f"swapped {len(chosen)} of {len(decisions)} Linears: {compress_paths(chosen)}",
             *kept_notes,
             *(f"region {name}: {n} calls now run the swapped modules" for name, n in calls.items()),
             *swapped.notes,
@@ -177,7 +177,7 @@ class SwapFp8(Pass):
         return PassResult(True, stats, notes)
 
 
-def _called_paths(program: Program) -> set[str] | None:
+def called_paths(program: Program) -> set[str] | None:
     """Linears whose forward ran on the example inputs (annotate_shapes' hooks saw them)."""
     modules = program.analysis.modules
     if program.example is None or modules is None:
@@ -197,7 +197,7 @@ def _kept_notes(decisions: list[Decision], options: EligibilityOptions) -> list[
     return notes
 
 
-def _compress(paths: list[str]) -> str:
+def compress_paths(paths: list[str]) -> str:
     """`model.layers.*.mlp.up_proj (x2), ...`: paths that differ by block index folded."""
     groups: dict[str, list[str]] = {}
     for path in paths:

@@ -1,7 +1,8 @@
 """shard_ddp (`ddp`, `zero1`): replicate the model, all-reduce gradients in buckets (DDP).
 
 Contract: requires regions | provides ddp
-    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions | numerics exact
+    | after swap_fp8, quantize_linears, insert_autocast, checkpoint_blocks, compile_regions
+    | numerics exact
     | options DdpOptions
 
 The pass decides and records; `retarget.execution.apply_plan` wraps the compiled model in torch's
@@ -78,7 +79,13 @@ class ShardDdp(Pass):
     requires = ("regions",)
     provides = ("ddp",)
     # DDP registers the modules and parameters as every rewriting pass left them.
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions")
+    after = (
+        "swap_fp8",
+        "quantize_linears",
+        "insert_autocast",
+        "checkpoint_blocks",
+        "compile_regions",
+    )
     Options = DdpOptions
 
     @classmethod

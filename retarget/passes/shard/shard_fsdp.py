@@ -1,7 +1,8 @@
 """shard_fsdp (`fsdp`, `zero3`, `zero2`, `hsdp`, `+offload`): shard parameters with FSDP2.
 
 Contract: requires regions | provides fsdp
-    | after swap_fp8, insert_autocast, checkpoint_blocks, compile_regions, shard_tp
+    | after swap_fp8, quantize_linears, insert_autocast, checkpoint_blocks, compile_regions,
+    shard_tp
     | numerics exact | options FsdpOptions
 
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
@@ -193,7 +194,14 @@ class ShardFsdp(Pass):
     # FSDP shards the swapped modules' parameters, and each unit recomputes (ac) and casts
     # (autocast) inside its own all-gather.
     # fsdp+tp: fully_shard over the dp dim of the blocks tp split (torchtitan's order).
-    after = ("swap_fp8", "insert_autocast", "checkpoint_blocks", "compile_regions", "shard_tp")
+    after = (
+        "swap_fp8",
+        "quantize_linears",
+        "insert_autocast",
+        "checkpoint_blocks",
+        "compile_regions",
+        "shard_tp",
+    )
     Options = FsdpOptions
 
     @classmethod

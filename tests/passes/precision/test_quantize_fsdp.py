@@ -1,0 +1,115 @@
+"""QLoRA at scale: `fsdp+quant[bits=4]` with PEFT LoRA on 2 gloo ranks against one process.
+
+FSDP2 shards the packed quantized weights like any parameter (stored in the dtype it gathers
+in), reduces only the adapters' gradients, and DCP checkpoints resume bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import retarget
+from tests import zoo
+from tests.distributed import run_ranks
+from tests.passes.precision.test_quantize_linears import base_model, lora
+
+STEPS, SAVE_AT, BATCH = 10, 5, 4
+
+
+def global_batch() -> dict[str, torch.Tensor]:
+    inputs = zoo.lm_inputs(batch=BATCH)
+    return {**inputs, "labels": inputs["input_ids"]}
+
+
+def _quantized_storage(model: torch.nn.Module) -> tuple[int, set[torch.dtype]]:
+    """Bytes of the packed weights this rank holds, and their dtypes."""
+    from retarget.kernels.quant.linear import QuantizedLinear
+
+    total, dtypes = 0, set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            weight = module.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            total += local.numel() * local.element_size()
+            dtypes.add(local.dtype)
+    return total, dtypes
+
+
+def _train(target: str, batch: dict, steps: range, folder=None, *, save_at=None, resume=False):
+    """(losses, adapter weights, (quantized bytes, their dtypes)) of `steps` of LoRA training
+    on `batch`."""
+    from retarget.runtime.state.checkpoint import load_state, save_state
+
+    model = retarget.compile_for(lora(base_model()), target, example_inputs=batch)
+    run = model.runtime
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = run.prepare(torch.optim.AdamW(trainable, lr=1e-2))
+    if resume:
+        load_state(folder, model=model, optimizers=[optimizer])
+    losses = []
+    for step in steps:
+        if step == save_at:
+            save_state(folder, model=model, optimizers=[optimizer])
+        loss = model(**batch).loss
+        run.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    adapters = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return losses, adapters, _quantized_storage(model)
+
+
+def _fsdp_rank(rank: int, world: int, folder: str):
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    batch = {k: v[rows] for k, v in global_batch().items()}
+    losses, adapters, nbytes = _train(
+        "fsdp+quant[bits=4]", batch, range(STEPS), folder, save_at=SAVE_AT
+    )
+    resumed, resumed_adapters, _ = _train(
+        "fsdp+quant[bits=4]", batch, range(SAVE_AT, STEPS), folder, resume=True
+    )
+    return losses, adapters, nbytes, resumed, resumed_adapters
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_qlora_matches_one_process_and_resumes_bitwise(tmp_path):
+    single_losses, single_adapters, single_bytes = _train(
+        "quant[bits=4]", global_batch(), range(STEPS)
+    )
+    ranks = run_ranks(_fsdp_rank, 2, str(tmp_path / "ckpt"), timeout=300)
+    # The global loss is the mean of the ranks' (equal token counts per rank).
+    losses = [sum(values) / len(values) for values in zip(*(r[0] for r in ranks), strict=True)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses), rtol=1e-4, atol=0)
+    assert single_losses[-1] < 0.9 * single_losses[0]
+    for name, value in single_adapters.items():
+        torch.testing.assert_close(ranks[0][1][name], value, rtol=1e-4, atol=1e-6)
+    for rank in ranks:
+        assert rank[2][0] <= 0.55 * single_bytes[0], (rank[2], single_bytes)
+        # Resumed at step SAVE_AT: the same losses and adapter weights, bit for bit.
+        assert rank[3] == rank[0][SAVE_AT:]
+        assert all(torch.equal(rank[4][n], rank[1][n]) for n in rank[1])
+
+
+def _bf16_rank(rank: int, world: int):
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    batch = {k: v[rows] for k, v in global_batch().items()}
+    losses, _, (_, dtypes) = _train("fsdp+bf16+quant+ac", batch, range(3))
+    return dtypes, losses
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_bf16_qlora_with_checkpointing_tracks_one_process():
+    """The packed weights are stored in bf16, the dtype FSDP gathers in under bf16, so its
+    MixedPrecisionPolicy leaves their bytes alone: the losses follow one process's bf16 run."""
+    single, _, _ = _train("bf16+quant+ac", global_batch(), range(3))
+    ranks = run_ranks(_bf16_rank, 2, timeout=300)
+    assert all(r[0] == {torch.bfloat16} for r in ranks)
+    losses = [sum(values) / len(values) for values in zip(*(r[1] for r in ranks), strict=True)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=2e-2, atol=0)
