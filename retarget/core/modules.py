@@ -90,16 +90,21 @@ def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
     gathered tensor, in place (the same Parameter object, so references to it see the weights).
     A module of `source` that stands in for one of the user's (a quantized Linear) and says
     what the user's module held (`original_state()`) gives that instead of its own tensors.
+    A 1-D buffer stored in another dtype with the same bytes (a quantized weight re-stored in
+    FSDP's gather dtype) is copied as bytes, never converted as numbers.
     Returns how many tensors were copied (0 when the trees share every tensor).
     """
     target_state = target.state_dict(keep_vars=True)
     copied = 0
     with torch.no_grad():
-        for key, value in original_form_state(source).items():
+        for key, value in original_form_state(source, target).items():
             dest = target_state[key]
             if dest is value or not isinstance(value, torch.Tensor):
                 continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            same_bytes = full.numel() * full.element_size() == dest.numel() * dest.element_size()
+            if full.dtype != dest.dtype and full.dim() == dest.dim() == 1 and same_bytes:
+                full = full.contiguous().view(dest.dtype)
             if released(dest):
                 dest.data = full.detach().to(dest.dtype, copy=full is value)
             else:
@@ -108,14 +113,15 @@ def sync_weights_into(source: nn.Module, target: nn.Module) -> int:
     return copied
 
 
-def original_form_state(module: nn.Module) -> dict[str, Any]:
+def original_form_state(module: nn.Module, target: nn.Module) -> dict[str, Any]:
     """`module.state_dict(keep_vars=True)`, where each submodule with an `original_state()`
-    method (a stand-in for the user's module) shows what that method returns under its path
-    instead of its own parameters and buffers."""
+    method that stands in for a module of another class in `target` (the user's Linear a
+    quantized one replaced) shows what that method returns under its path instead of its own
+    parameters and buffers."""
     state = module.state_dict(keep_vars=True)
     for path, sub in module.named_modules():
         original = getattr(type(sub), "original_state", None)
-        if not callable(original):
+        if not callable(original) or type(target.get_submodule(path)) is type(sub):
             continue
         prefix = f"{path}." if path else ""
         own = [name for name, _ in sub.named_parameters(recurse=False)]

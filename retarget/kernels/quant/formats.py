@@ -53,6 +53,8 @@ FORMATS = ("nf4", "fp4", "int8")
 BITS = {"nf4": 4, "fp4": 4, "int8": 8}
 #: Blocks of absmax that share one float32 scale under double quantization.
 DOUBLE_QUANT_GROUP = 256
+#: Weights quantized at a time (the float32 temporaries of one chunk: a few hundred KiB).
+CHUNK = 1 << 16
 _ALIGN = 8
 
 
@@ -111,24 +113,40 @@ class QuantLayout:
 
 
 def quantize(weight: torch.Tensor, layout: QuantLayout, storage_dtype: torch.dtype) -> torch.Tensor:
-    """`weight` (out, in) as the layout's byte buffer, viewed as `storage_dtype` (1-D)."""
+    """`weight` (out, in) as the layout's byte buffer, viewed as `storage_dtype` (1-D).
+
+    Works through the weight CHUNK weights at a time, so the float32 temporaries stay small
+    next to the buffer (loading a checkpoint tensor by tensor then peaks near the quantized
+    size, not at several times the largest weight)."""
     if tuple(weight.shape) != layout.shape:
         raise ValueError(f"weight of shape {tuple(weight.shape)} for a layout of {layout.shape}")
-    w = weight.detach().to(torch.float32)
-    if BITS[layout.format] == 8:
-        absmax = w.abs().amax(dim=1)
-        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
-        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
-        codes = codes.reshape(-1)
-        scales = scale
-    else:
-        codes, scales = _quantize_4bit(w.reshape(-1), layout)
+    weight = weight.detach()
     buffer = torch.zeros(
         layout.storage_numel(storage_dtype) * _size(storage_dtype),
         dtype=torch.uint8,
-        device=w.device,
+        device=weight.device,
     )
-    buffer[: codes.numel()] = codes
+    scales = torch.empty(layout.blocks, dtype=torch.float32, device=weight.device)
+    if BITS[layout.format] == 8:
+        inner = layout.shape[1]
+        rows = max(1, CHUNK // max(1, inner))
+        for first in range(0, layout.shape[0], rows):
+            w = weight[first : first + rows].to(torch.float32)
+            absmax = w.abs().amax(dim=1)
+            scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
+            codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            buffer[first * inner : (first + w.shape[0]) * inner] = codes.view(torch.uint8).view(-1)
+            scales[first : first + w.shape[0]] = scale
+    else:
+        flat = weight.reshape(-1)
+        size = layout.block_size
+        per = max(1, CHUNK // size)
+        for first in range(0, layout.blocks, per):
+            count = min(per, layout.blocks - first)
+            chunk = flat[first * size : (first + count) * size].to(torch.float32)
+            packed, absmax = _quantize_4bit(chunk, layout, count)
+            buffer[first * size // 2 : (first + count) * size // 2] = packed
+            scales[first : first + count] = absmax
     start = _aligned(layout.code_bytes)
     if layout.double_quant:
         q8, group_scale, offset = _quantize_absmax(scales, layout)
@@ -170,10 +188,12 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _quantize_4bit(flat: torch.Tensor, layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, float32 absmax per block)."""
-    pad = layout.blocks * layout.block_size - flat.numel()
-    blocks = F.pad(flat, (0, pad)).reshape(layout.blocks, layout.block_size)
+def _quantize_4bit(
+    flat: torch.Tensor, layout: QuantLayout, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, float32 absmax per block) of `count` blocks (the last one padded)."""
+    pad = count * layout.block_size - flat.numel()
+    blocks = F.pad(flat, (0, pad)).reshape(count, layout.block_size)
     absmax = blocks.abs().amax(dim=1)
     normalized = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
     levels = torch.tensor(LEVELS[layout.format], dtype=torch.float32, device=flat.device)

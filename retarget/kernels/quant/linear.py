@@ -9,8 +9,12 @@ gradients flow to the input (and to the bias when it is trainable), never to the
 The output has the input's dtype, as bitsandbytes' Linear4bit returns it: the module is
 dtype-preserving wherever it runs (eager, under torch.autocast, or called from a graph).
 
-It is deliberately not an nn.Linear subclass: code that reads `.weight` of every Linear
-(FP8 swaps, torch's tensor-parallel styles, autocast's Linear rule) must not take it for one.
+It subclasses nn.Linear so that PEFT puts LoRA on it (its LoRA layers wrap nn.Linear bases,
+as they wrap bitsandbytes' Linear4bit), with `in_features`/`out_features` as the Linear's; but
+it never runs nn.Linear's __init__ or forward, and the rules that act on plain Linears check
+the exact class (autocast's leaf rule, quant's and fp8's tables keep it as it is). Code that
+rewrites a Linear's `.weight` as an (out, in) matrix (PEFT's merge, torch's tensor-parallel
+styles) fails loudly on the 1-D buffer: the quant part refuses tp by name.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import nn
 from retarget.kernels.quant.formats import QuantLayout, dequantize, quantize
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Linear):
     """y = x @ dequantize(weight).T + bias, computed in `compute_dtype` (None: x's dtype)."""
 
     def __init__(
@@ -33,16 +37,37 @@ class QuantizedLinear(nn.Module):
         storage_dtype: torch.dtype,
         compute_dtype: torch.dtype | None,
     ) -> None:
-        super().__init__()
+        """Quantize `linear`'s weight (a meta weight gives a meta buffer, to fill with
+        `load_weight`); its bias stays the same Parameter, trainable or not as it was."""
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a float weight
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.layout = layout
         self.compute_dtype = compute_dtype
         self.weight_dtype = linear.weight.dtype
         """The dtype the weight had; `dequantized_weight()` returns it in that dtype."""
-        stored = quantize(linear.weight, layout, storage_dtype)
+        if linear.weight.is_meta:
+            count = layout.storage_numel(storage_dtype)
+            stored = torch.empty(count, dtype=storage_dtype, device="meta")
+        else:
+            stored = quantize(linear.weight, layout, storage_dtype)
         self.weight = nn.Parameter(stored, requires_grad=False)
-        self.bias = linear.bias  # the same Parameter, trainable or not as it was
+        self.bias = linear.bias
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Quantize a float (out, in) weight into this module (loading from a checkpoint)."""
+        stored = quantize(weight, self.layout, self.weight.dtype)
+        self.weight = nn.Parameter(stored, requires_grad=False)
+
+    def store_as(self, dtype: torch.dtype) -> None:
+        """Hold the same bytes viewed as `dtype` (lossless; for FSDP's gather dtype)."""
+        if self.weight.dtype == dtype:
+            return
+        raw = self.weight.detach().reshape(-1).view(torch.uint8)
+        size = torch.empty((), dtype=dtype).element_size()
+        padded = torch.zeros(-(-raw.numel() // size) * size, dtype=torch.uint8, device=raw.device)
+        padded[: raw.numel()] = raw
+        self.weight = nn.Parameter(padded.view(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype

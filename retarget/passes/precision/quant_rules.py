@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.precision.fp8_rules import (
     FLOAT_WEIGHTS,
     READS_CHILD_WEIGHT,
@@ -52,6 +53,11 @@ def _is_head(f: LinearFacts, o: QuantEligibility) -> bool:
 #: The table, in priority order.
 RULES: tuple[Rule, ...] = (
     Rule(
+        "already_quantized",
+        lambda f, o: isinstance(f.module, QuantizedLinear),
+        lambda f, o: f"already quantized ({f.module.layout.format})",
+    ),
+    Rule(
         "skip",
         lambda f, o: _skip_pattern(f, o) is not None,
         lambda f, o: f"matches skip pattern '{_skip_pattern(f, o)}'",
@@ -77,11 +83,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "float_weight",
-        lambda f, o: f.module.weight.dtype not in FLOAT_WEIGHTS or f.module.weight.is_meta,
-        lambda f, o: (
-            f"weight is {f.module.weight.dtype} on {f.module.weight.device.type}: "
-            "quantization needs a float weight that holds values"
-        ),
+        lambda f, o: f.module.weight.dtype not in FLOAT_WEIGHTS,
+        lambda f, o: f"weight dtype {f.module.weight.dtype} is not float32/bfloat16/float16",
     ),
     Rule(
         "tied_embedding",

@@ -55,11 +55,13 @@ from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import FsdpPlan, FsdpUnit
 from retarget.core.world import World
 from retarget.ir.program import Program
+from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_tp import fsdp_shapes
 from retarget.spec.grammar import Target
 from retarget.spec.precisions import LOW_DTYPES, dtype_name
 from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.spec.values import parse_dtype
 
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
 REDUCE_DTYPE = "float32"
@@ -219,6 +221,12 @@ class ShardFsdp(Pass):
         notes = [unit_note(u, mesh) for u in units]
         notes += kept
         notes.append(mixed_precision_note(self.options))
+        restored = restore_quantized(program, self.options.param_dtype)
+        if restored:
+            notes.append(
+                f"{restored} quantized weights re-stored as {self.options.param_dtype} (the same "
+                "bytes), the dtype FSDP gathers in, so its MixedPrecisionPolicy leaves them be"
+            )
         if self.options.offload:
             notes.append(f"offload: CPUOffloadPolicy(pin_memory={self.options.pin()})")
         if self.options.load_from_rank0:
@@ -228,6 +236,19 @@ class ShardFsdp(Pass):
             )
         stats = {"units": len(units), "mesh": list(mesh), "world_size": world.size}
         return PassResult(changed=True, stats=stats, notes=tuple(notes))
+
+
+def restore_quantized(program: Program, param_dtype: str | None) -> int:
+    """Quantized Linears (a model loaded quantized) whose packed buffer is not stored in the
+    gather dtype: a MixedPrecisionPolicy would cast its bytes as numbers. Re-view them."""
+    if param_dtype is None:
+        return 0
+    dtype = parse_dtype(param_dtype)
+    modules = [m for m in program.module.modules() if isinstance(m, QuantizedLinear)]
+    changed = [m for m in modules if m.weight.dtype != dtype]
+    for module in changed:
+        module.store_as(dtype)
+    return len(changed)
 
 
 def fsdp_plan(

@@ -42,6 +42,7 @@ from retarget.core.plans import TP_STYLES, TpPlan, TpRule
 from retarget.core.tp_split_dims import COLWISE_STYLES, local_numel, module_kind, split_dims
 from retarget.frontends import EAGER
 from retarget.ir.program import Program
+from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import FSDP_STRATEGIES
@@ -117,6 +118,13 @@ class ShardTp(Pass):
     def run(self, program: Program) -> PassResult:
         options = self.options
         _refuse_unimplemented(options)
+        quantized = [p for p, m in program.module.named_modules() if isinstance(m, QuantizedLinear)]
+        if quantized:
+            raise TargetNotSupportedError(
+                f"tp: {quantized[0]} (and {len(quantized) - 1} more) is a quantized Linear (a "
+                "model loaded with load_and_quantize_model): splitting its packed weight is not "
+                "implemented; shard it with fsdp instead"
+            )
         size = options.degree(program.world.size)
         plan = resolve_plan(program, options, size)
         plan = _with_counts(check_plan(program, plan), program)

@@ -113,3 +113,63 @@ def test_fsdp_bf16_qlora_with_checkpointing_tracks_one_process():
     assert all(r[0] == {torch.bfloat16} for r in ranks)
     losses = [sum(values) / len(values) for values in zip(*(r[1] for r in ranks), strict=True)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=2e-2, atol=0)
+
+
+def _loaded_qlora(folder: str, target: str, batch: dict):
+    """Accelerate's QLoRA recipe: load quantized, prepare for k-bit training, add LoRA."""
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from retarget.bigmodel.empty_init import init_empty_weights
+    from retarget.utils import BnbQuantizationConfig, load_and_quantize_model
+
+    with init_empty_weights():
+        model = LlamaForCausalLM(base_model().config)
+    config = BnbQuantizationConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    model = load_and_quantize_model(model, config, weights_location=folder)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    compiled = retarget.compile_for(model, target, example_inputs=batch)
+    optimizer = compiled.runtime.prepare(
+        torch.optim.AdamW([p for p in compiled.parameters() if p.requires_grad], lr=1e-2)
+    )
+    losses = []
+    for _ in range(3):
+        loss = compiled(**batch).loss
+        compiled.runtime.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    _, dtypes = _quantized_storage(compiled)
+    original = compiled.unwrap()
+    weights = {
+        path: module.dequantized_weight()
+        for path, module in original.named_modules()
+        if type(module).__name__ == "QuantizedLinear"
+    }
+    return losses, dtypes, weights
+
+
+def _loaded_rank(rank: int, world: int, folder: str):
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    batch = {k: v[rows] for k, v in global_batch().items()}
+    return _loaded_qlora(folder, "fsdp+bf16", batch)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_model_loaded_quantized_trains_under_fsdp_bf16(tmp_path):
+    """load_and_quantize_model stores the packed weights as float32; fsdp+bf16 re-stores the
+    same bytes as bf16 (FSDP's gather dtype) instead of letting its policy cast them as numbers,
+    and unwrap() hands back the user's model with the bytes it loaded."""
+    base_model().save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    single, single_dtypes, loaded = _loaded_qlora(str(tmp_path / "ckpt"), "bf16", global_batch())
+    assert single_dtypes == {torch.float32}
+    ranks = run_ranks(_loaded_rank, 2, str(tmp_path / "ckpt"), timeout=300)
+    losses = [sum(values) / len(values) for values in zip(*(r[0] for r in ranks), strict=True)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=2e-2, atol=0)
+    for _, dtypes, weights in ranks:
+        assert dtypes == {torch.bfloat16}
+        assert weights.keys() == loaded.keys()
+        assert all(torch.equal(weights[p], loaded[p]) for p in loaded)

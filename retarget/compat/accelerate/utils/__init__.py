@@ -39,6 +39,10 @@ from retarget.compat.accelerate.utils.memory import (
 )
 from retarget.compat.accelerate.utils.multiprocess_logging import MultiProcessAdapter, get_logger
 from retarget.compat.accelerate.utils.operations import broadcast_object_list, gather_object
+from retarget.compat.accelerate.utils.quantization import (
+    BnbQuantizationConfig,
+    load_and_quantize_model,
+)
 from retarget.compat.accelerate.utils.seeding import set_seed
 from retarget.passes.place.device_map import infer_auto_device_map
 
@@ -46,6 +50,7 @@ __all__ = [
     # Accelerate's dataclasses and enums, which accelerate.utils exports too
     "AORecipeKwargs",
     "AutocastKwargs",
+    "BnbQuantizationConfig",
     "DDPCommunicationHookType",
     "DistributedDataParallelKwargs",
     "DistributedType",
@@ -67,6 +72,7 @@ __all__ = [
     "gather_object",
     "get_logger",
     "infer_auto_device_map",
+    "load_and_quantize_model",
     "load_checkpoint_in_model",
     "notebook_launcher",
     "release_memory",
