@@ -118,3 +118,19 @@ def test_original_state_gives_back_what_the_linear_held():
     assert set(state) == {"weight"}
     assert state["weight"].shape == (24, 40)
     assert torch.equal(state["weight"], module.dequantized_weight())
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_quantizing_in_chunks_writes_the_same_bytes(monkeypatch, fmt):
+    """quantize works through CHUNK weights at a time (to bound its temporaries while a
+    checkpoint loads); a chunk boundary inside the weight changes no byte."""
+    from retarget.kernels.quant import formats
+
+    torch.manual_seed(0)
+    weight = torch.randn(50, 70)
+    layout = QuantLayout(fmt, (50, 70), 64, fmt == "nf4")
+    whole = quantize(weight, layout, torch.float32)
+    monkeypatch.setattr(formats, "CHUNK", 128)  # 2 blocks, or 1 row, per chunk
+    assert torch.equal(
+        quantize(weight, layout, torch.float32).view(torch.uint8), whole.view(torch.uint8)
+    )

@@ -140,6 +140,10 @@ def test_refusals_and_warnings(checkpoint, tmp_path):
     with pytest.warns(UserWarning, match="not recommended to quantize a loaded model"):
         model = load_and_quantize_model(base_model(), config)
     assert isinstance(model.model.layers[0].mlp.up_proj, QuantizedLinear)
+    with pytest.raises(
+        TargetNotSupportedError, match=r"tp: model.layers.0.self_attn.q_proj \(and 13"
+    ):
+        retarget.compile_for(model, "tp", example_inputs=batch(), world_size=2)
     eight = BnbQuantizationConfig(load_in_8bit=True, llm_int8_threshold=5.0)
     with pytest.warns(UserWarning, match="llm_int8_threshold=5.0 .* ignored"):
         load_and_quantize_model(empty_model(), eight, checkpoint, device_map="auto")
