@@ -190,6 +190,28 @@ class TensorReader:
         self._mapped = mapped
         self._open: dict[Path, Any] = {}
 
+    def read_range(self, stored: StoredTensor, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of the tensor, flattened, into memory it owns: a
+        safetensors tensor is read from the file for just that range."""
+        if self._mapped or not stored.is_safetensors:
+            return self.read(stored).reshape(-1)[start : start + count].clone()
+        handle = self._handle(stored)
+        size = torch.empty((), dtype=stored.dtype).element_size()
+        tensor = torch.empty(count, dtype=stored.dtype)
+        view = tensor.view(torch.uint8).numpy()
+        handle.seek(stored.offset + start * size)
+        got = handle.readinto(view)
+        if got != count * size:
+            raise CheckpointError(f"{stored.file}: short read of {stored.key!r} at {start}")
+        return tensor
+
+    def _handle(self, stored: StoredTensor) -> Any:
+        handle = self._open.get(stored.file)
+        if handle is None:
+            handle = self._stack.enter_context(open(stored.file, "rb", buffering=0))
+            self._open[stored.file] = handle
+        return handle
+
     def read(self, stored: StoredTensor) -> torch.Tensor:
         if self._mapped and stored.is_safetensors:
             key = (stored.file, "mapped")

@@ -7,9 +7,10 @@ and their weights are read from the checkpoint one tensor at a time.
 
 The model's tensors start on the meta device (`init_empty_weights`); each chosen Linear is
 replaced by a QuantizedLinear holding a meta buffer; then every tensor of the checkpoint is read
-alone (headers first: `bigmodel/checkpoint_files.py`), quantized in small chunks when it is a
-chosen weight (`kernels/quant/formats.py`), and set into the model. At any moment memory holds
-the model loaded so far, one float tensor and one chunk's temporaries: peak memory stays near the
+alone (headers first: `bigmodel/checkpoint_files.py`) and set into the model; a chosen weight
+is read from the file and quantized one chunk of 64K weights at a time
+(`kernels/quant/formats.py`), so its float form never exists whole. At any moment memory holds
+the model loaded so far plus one unquantized tensor or one chunk: peak memory stays near the
 quantized model's size, never the float model's. A model already holding its weights is
 quantized in place (a float copy then exists until the swap, as in Accelerate).
 
@@ -103,12 +104,14 @@ def _load(model: nn.Module, files, settings: QuantizeSettings) -> None:
         for key, stored in files.tensors.items():
             path, _, name = key.rpartition(".")
             module = model.get_submodule(path)
-            value = reader.read(stored)
             if isinstance(module, QuantizedLinear) and name == "weight":
-                module.load_weight(value)
-            else:
-                _set(module, name, value)
-            del value
+                # Read and quantized a chunk at a time: the float weight never exists whole.
+                module.load_weight_from(
+                    lambda start, count, stored=stored: reader.read_range(stored, start, count),
+                    "cpu",
+                )
+                continue
+            _set(module, name, reader.read(stored))
         for alias, kept in files.aliases.items():
             path, _, name = alias.rpartition(".")
             kept_path, _, kept_name = kept.rpartition(".")

@@ -151,6 +151,22 @@ def _startup_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _quant_rows(d: dict) -> list[Row]:
+    rows = []
+    step = d.get("step", {})
+    for name, ratio in step.get("step_time_ratios", {}).items():
+        if not name.startswith("full fine-tuning"):
+            memory = step["memory_ratios"][name]
+            rows.append(("quantized fine-tuning", name, f"step {ratio:.2f}x, memory {memory:.3f}x"))
+    load = d.get("load", {})
+    for name, ratio in load.get("peak_added / loaded model bytes", {}).items():
+        rows.append(("quantized loading", f"peak RSS added / model bytes, {name}", f"{ratio:.2f}x"))
+    refused = load.get("arms", {}).get("accelerate", {}).get("refused")
+    if refused:
+        rows.append(("quantized loading", "Accelerate's load_and_quantize_model", "refused here"))
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -184,6 +200,13 @@ SUITES: dict[str, Suite] = {
             results="peer.json",
             rows=_peer_rows,
             needs=("accelerate",),
+        ),
+        Suite(
+            name="quant",
+            file="test_quant.py",
+            results="quant.json",
+            rows=_quant_rows,
+            needs=("peft",),
         ),
         Suite(
             name="startup",

@@ -21,6 +21,7 @@ the compute dtype for one matmul.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,34 +117,46 @@ def quantize(weight: torch.Tensor, layout: QuantLayout, storage_dtype: torch.dty
     """`weight` (out, in) as the layout's byte buffer, viewed as `storage_dtype` (1-D).
 
     Works through the weight CHUNK weights at a time, so the float32 temporaries stay small
-    next to the buffer (loading a checkpoint tensor by tensor then peaks near the quantized
-    size, not at several times the largest weight)."""
+    next to the buffer."""
     if tuple(weight.shape) != layout.shape:
         raise ValueError(f"weight of shape {tuple(weight.shape)} for a layout of {layout.shape}")
-    weight = weight.detach()
+    flat = weight.detach().reshape(-1)
+    return quantize_from(lambda start, count: flat[start : start + count], layout, storage_dtype)
+
+
+def quantize_from(
+    read: Callable[[int, int], torch.Tensor],
+    layout: QuantLayout,
+    storage_dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """`quantize` of a weight read piece by piece: `read(start, count)` gives `count` weights
+    of the row-major flat weight from `start` (a checkpoint loader reads them straight from the
+    file, so the whole float weight never exists in memory)."""
+    probe = read(0, 1)
+    device = device if device is not None else probe.device
     buffer = torch.zeros(
-        layout.storage_numel(storage_dtype) * _size(storage_dtype),
-        dtype=torch.uint8,
-        device=weight.device,
+        layout.storage_numel(storage_dtype) * _size(storage_dtype), dtype=torch.uint8, device=device
     )
-    scales = torch.empty(layout.blocks, dtype=torch.float32, device=weight.device)
+    scales = torch.empty(layout.blocks, dtype=torch.float32, device=device)
     if BITS[layout.format] == 8:
-        inner = layout.shape[1]
+        out, inner = layout.shape
         rows = max(1, CHUNK // max(1, inner))
-        for first in range(0, layout.shape[0], rows):
-            w = weight[first : first + rows].to(torch.float32)
+        for first in range(0, out, rows):
+            count = min(rows, out - first)
+            w = read(first * inner, count * inner).to(device, torch.float32).reshape(count, inner)
             absmax = w.abs().amax(dim=1)
             scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax)) / 127
             codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
             buffer[first * inner : (first + w.shape[0]) * inner] = codes.view(torch.uint8).view(-1)
             scales[first : first + w.shape[0]] = scale
     else:
-        flat = weight.reshape(-1)
         size = layout.block_size
         per = max(1, CHUNK // size)
         for first in range(0, layout.blocks, per):
             count = min(per, layout.blocks - first)
-            chunk = flat[first * size : (first + count) * size].to(torch.float32)
+            available = min(count * size, layout.numel - first * size)
+            chunk = read(first * size, available).to(device, torch.float32)
             packed, absmax = _quantize_4bit(chunk, layout, count)
             buffer[first * size // 2 : (first + count) * size // 2] = packed
             scales[first : first + count] = absmax

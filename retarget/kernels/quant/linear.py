@@ -19,11 +19,14 @@ styles) fails loudly on the 1-D buffer: the quant part refuses tp by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retarget.kernels.quant.formats import QuantLayout, dequantize, quantize
+from retarget.kernels.quant.formats import QuantLayout, dequantize, quantize, quantize_from
 
 
 class QuantizedLinear(nn.Linear):
@@ -57,6 +60,11 @@ class QuantizedLinear(nn.Linear):
     def load_weight(self, weight: torch.Tensor) -> None:
         """Quantize a float (out, in) weight into this module (loading from a checkpoint)."""
         stored = quantize(weight, self.layout, self.weight.dtype)
+        self.weight = nn.Parameter(stored, requires_grad=False)
+
+    def load_weight_from(self, read: Callable[[int, int], torch.Tensor], device: Any) -> None:
+        """`load_weight` of a weight read piece by piece (see formats.quantize_from)."""
+        stored = quantize_from(read, self.layout, self.weight.dtype, device)
         self.weight = nn.Parameter(stored, requires_grad=False)
 
     def store_as(self, dtype: torch.dtype) -> None:
