@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
 from retarget.execution.process import ProcessState
+from retarget.kernels.quant.formats import dequantize
+from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.runtime.state.codec import fsync_file
 from retarget.spec.values import parse_size as parse_bytes_of
 
@@ -84,6 +86,17 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+def dequantized(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`full` with each quantized Linear's packed buffer replaced by its (out, in) weight in
+    the dtype the weight had: the files hold the model's own layout, which any loader reads
+    (the quantization is redone at load time: load_and_quantize_model, or the quant target)."""
+    for path, module in _peel(model).named_modules():
+        key = f"{path}.weight" if path else "weight"
+        if isinstance(module, QuantizedLinear) and key in full:
+            full[key] = dequantize(full[key], module.layout, module.weight_dtype)
+    return full
 
 
 def tied_weights(model: nn.Module) -> dict[str, str]:
@@ -149,7 +162,7 @@ def save_model(
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"save_model: {directory} is a file; give a folder")
     state = ProcessState.current()
-    full = get_state_dict(model)
+    full = dequantized(model, get_state_dict(model))
     tied = tied_weights(model)
     if state.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)

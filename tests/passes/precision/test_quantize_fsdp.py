@@ -36,7 +36,9 @@ def _quantized_storage(model: torch.nn.Module) -> tuple[int, set[torch.dtype]]:
     return total, dtypes
 
 
-def _train(target: str, batch: dict, steps: range, folder=None, *, save_at=None, resume=False):
+def _train(
+    target: str, batch: dict, steps: range, folder=None, *, save_at=None, resume=False, save_to=None
+):
     """(losses, adapter weights, (quantized bytes, their dtypes)) of `steps` of LoRA training
     on `batch`."""
     from retarget.runtime.state.checkpoint import load_state, save_state
@@ -56,6 +58,10 @@ def _train(target: str, batch: dict, steps: range, folder=None, *, save_at=None,
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    if save_to is not None:
+        from retarget.runtime.state.save_model import save_model
+
+        save_model(model, save_to)
     adapters = {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for name, p in model.named_parameters()
@@ -68,7 +74,12 @@ def _fsdp_rank(rank: int, world: int, folder: str):
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     batch = {k: v[rows] for k, v in global_batch().items()}
     losses, adapters, nbytes = _train(
-        "fsdp+quant[bits=4]", batch, range(STEPS), folder, save_at=SAVE_AT
+        "fsdp+quant[bits=4]",
+        batch,
+        range(STEPS),
+        folder,
+        save_at=SAVE_AT,
+        save_to=folder + "-model",
     )
     resumed, resumed_adapters, _ = _train(
         "fsdp+quant[bits=4]", batch, range(SAVE_AT, STEPS), folder, resume=True
@@ -80,7 +91,7 @@ def _fsdp_rank(rank: int, world: int, folder: str):
 @pytest.mark.slow
 def test_fsdp_qlora_matches_one_process_and_resumes_bitwise(tmp_path):
     single_losses, single_adapters, single_bytes = _train(
-        "quant[bits=4]", global_batch(), range(STEPS)
+        "quant[bits=4]", global_batch(), range(STEPS), save_to=tmp_path / "single-model"
     )
     ranks = run_ranks(_fsdp_rank, 2, str(tmp_path / "ckpt"), timeout=300)
     # The global loss is the mean of the ranks' (equal token counts per rank).
@@ -89,6 +100,15 @@ def test_fsdp_qlora_matches_one_process_and_resumes_bitwise(tmp_path):
     assert single_losses[-1] < 0.9 * single_losses[0]
     for name, value in single_adapters.items():
         torch.testing.assert_close(ranks[0][1][name], value, rtol=1e-4, atol=1e-6)
+    # save_model gathers the packed weights and writes them dequantized, in the model's layout.
+    from safetensors.torch import load_file
+
+    sharded = load_file(tmp_path / "ckpt-model" / "model.safetensors")
+    single = load_file(tmp_path / "single-model" / "model.safetensors")
+    bases = [k for k in single if ".base_layer." in k]
+    assert bases and all(
+        sharded[k].dim() == 2 and torch.equal(sharded[k], single[k]) for k in bases
+    )
     for rank in ranks:
         assert rank[2][0] <= 0.55 * single_bytes[0], (rank[2], single_bytes)
         # Resumed at step SAVE_AT: the same losses and adapter weights, bit for bit.

@@ -224,3 +224,34 @@ def test_refusals_name_the_setting():
         retarget.compile_for(base_model(), "quant[type=int8]", example_inputs=batch())
     with pytest.raises(TargetError, match="did you mean 'quant'"):
         retarget.compile_for(base_model(), "qlora", example_inputs=batch())
+
+
+def test_adapters_save_with_peft_and_the_model_saves_in_its_own_layout(tmp_path):
+    """PEFT's save_pretrained on the unwrapped model writes the trained adapters, which load
+    back onto a fresh base; save_model writes the dequantized weights under the model's keys
+    (a file transformers reads like any other)."""
+    from safetensors.torch import load_file
+
+    from retarget.runtime.state.save_model import save_model
+
+    inputs = batch()
+    compiled = retarget.compile_for(lora(base_model()), "quant", example_inputs=inputs)
+    optimizer = torch.optim.AdamW([p for p in compiled.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        compiled(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = {n: p.detach().clone() for n, p in compiled.named_parameters() if p.requires_grad}
+    path = "base_model.model.model.layers.0.mlp.up_proj.base_layer"
+    dequantized = compiled.get_submodule(path).dequantized_weight()
+
+    save_model(compiled, tmp_path / "full")
+    saved = load_file(tmp_path / "full" / "model.safetensors")
+    assert saved[f"{path}.weight"].shape == (128, 64)
+    assert torch.equal(saved[f"{path}.weight"], dequantized)
+
+    compiled.unwrap().save_pretrained(tmp_path / "adapters")
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "adapters")
+    named = dict(loaded.named_parameters())
+    for name, value in trained.items():
+        assert torch.equal(named[name], value), name
