@@ -193,3 +193,22 @@ def test_a_model_loaded_quantized_trains_under_fsdp_bf16(tmp_path):
         assert dtypes == {torch.bfloat16}
         assert weights.keys() == loaded.keys()
         assert all(torch.equal(weights[p], loaded[p]) for p in loaded)
+
+
+def _ddp_rank(rank: int, world: int):
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    batch = {k: v[rows] for k, v in global_batch().items()}
+    losses, adapters, _ = _train("ddp+quant", batch, range(3))
+    return losses, adapters
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_qlora_matches_one_process():
+    """DDP replicates the frozen packed weights and all-reduces only the adapters' gradients."""
+    single, single_adapters, _ = _train("quant", global_batch(), range(3))
+    ranks = run_ranks(_ddp_rank, 2, timeout=300)
+    losses = [sum(values) / len(values) for values in zip(*(r[0] for r in ranks), strict=True)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=0)
+    for name, value in single_adapters.items():
+        torch.testing.assert_close(ranks[1][1][name], value, rtol=1e-4, atol=1e-6)
