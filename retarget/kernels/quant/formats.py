@@ -173,8 +173,17 @@ def quantize_from(
     return buffer.view(storage_dtype)
 
 
-def dequantize(storage: torch.Tensor, layout: QuantLayout, dtype: torch.dtype) -> torch.Tensor:
-    """The (out, in) weight in `dtype` from a buffer `quantize` wrote (any storage dtype)."""
+def dequantize(
+    storage: torch.Tensor,
+    layout: QuantLayout,
+    dtype: torch.dtype,
+    levels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The (out, in) weight in `dtype` from a buffer `quantize` wrote (any storage dtype).
+
+    `levels`: the 4-bit code's values on the storage's device (`code_levels`), which a module
+    keeps as a buffer so that a call does not build them again (on a GPU: a host-to-device
+    copy per call); made here when not given."""
     raw = storage.reshape(-1).view(torch.uint8)
     codes = raw[: layout.code_bytes]
     start = _aligned(layout.code_bytes)
@@ -191,10 +200,16 @@ def dequantize(storage: torch.Tensor, layout: QuantLayout, dtype: torch.dtype) -
     if BITS[layout.format] == 8:
         w = codes.view(torch.int8).reshape(out, inner).to(torch.float32) * scales[:, None]
         return w.to(dtype)
-    levels = torch.tensor(LEVELS[layout.format], dtype=torch.float32, device=raw.device)
+    if levels is None:
+        levels = code_levels(layout.format, raw.device)
     pairs = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(-1).long()
     values = levels[pairs].reshape(layout.blocks, layout.block_size) * scales[:, None]
     return values.reshape(-1)[: layout.numel].reshape(out, inner).to(dtype)
+
+
+def code_levels(format: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """The values of a 4-bit code as a float32 tensor (empty for int8, which has none)."""
+    return torch.tensor(LEVELS.get(format, ()), dtype=torch.float32, device=device)
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -209,7 +224,7 @@ def _quantize_4bit(
     blocks = F.pad(flat, (0, pad)).reshape(count, layout.block_size)
     absmax = blocks.abs().amax(dim=1)
     normalized = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    levels = torch.tensor(LEVELS[layout.format], dtype=torch.float32, device=flat.device)
+    levels = code_levels(layout.format, flat.device)
     ordered, order = levels.sort(stable=True)
     # The nearest level: each value falls between two midpoints of the sorted levels.
     nearest = torch.bucketize(normalized, (ordered[1:] + ordered[:-1]) / 2)

@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retarget.kernels.quant.formats import QuantLayout, dequantize, quantize, quantize_from
+from retarget.kernels.quant.formats import (
+    QuantLayout,
+    code_levels,
+    dequantize,
+    quantize,
+    quantize_from,
+)
 
 
 class QuantizedLinear(nn.Linear):
@@ -56,6 +62,9 @@ class QuantizedLinear(nn.Linear):
             stored = quantize(linear.weight, layout, storage_dtype)
         self.weight = nn.Parameter(stored, requires_grad=False)
         self.bias = linear.bias
+        # The code's values, moved with the module and kept out of its state_dict.
+        device = linear.weight.device if not linear.weight.is_meta else None
+        self.register_buffer("levels", code_levels(layout.format, device), persistent=False)
 
     def load_weight(self, weight: torch.Tensor) -> None:
         """Quantize a float (out, in) weight into this module (loading from a checkpoint)."""
@@ -79,13 +88,13 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
-        weight = dequantize(self.weight, self.layout, dtype)
+        weight = dequantize(self.weight, self.layout, dtype, self.levels)
         bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(x.to(dtype), weight, bias).to(x.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out, in) weight this module computes with, in the dtype it had."""
-        return dequantize(self.weight.detach(), self.layout, self.weight_dtype)
+        return dequantize(self.weight.detach(), self.layout, self.weight_dtype, self.levels)
 
     def original_state(self) -> dict[str, torch.Tensor | None]:
         """What the nn.Linear it replaced held: the dequantized weight, and the bias.
@@ -93,7 +102,7 @@ class QuantizedLinear(nn.Linear):
         Under FSDP2 the packed weight is gathered whole first (a collective)."""
         weight = self.weight.detach()
         full = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-        weight = dequantize(full, self.layout, self.weight_dtype)
+        weight = dequantize(full, self.layout, self.weight_dtype, self.levels)
         return {"weight": weight, **({"bias": self.bias} if self.bias is not None else {})}
 
     def quantized_bytes(self) -> int:
