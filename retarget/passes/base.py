@@ -29,6 +29,8 @@ wraps every failure in a PassError that also names the passes that ran before.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,6 +61,20 @@ class PassResult:
     changed: bool
     stats: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+
+
+def coerce_options(options: Any, schema: Mapping[str, Any], owner: str) -> None:
+    """Coerce each field of a frozen options dataclass that `schema` (a target part's options)
+    declares with that option's parser, in place; a bad value raises ValueError naming
+    `owner` (the pass), the field and the value."""
+    for item in dataclasses.fields(options):
+        if item.name not in schema:
+            continue
+        value = getattr(options, item.name)
+        try:
+            object.__setattr__(options, item.name, schema[item.name].coerce(value))
+        except ValueError as err:
+            raise ValueError(f"{owner} option {item.name}={value!r}: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

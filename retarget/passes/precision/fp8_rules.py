@@ -60,9 +60,9 @@ def names(pattern: str, path: str) -> bool:
     return fnmatchcase(path, pattern) or fnmatchcase(path, f"*.{pattern}")
 
 
-def unused_patterns(options: EligibilityOptions, paths: list[str]) -> list[str]:
-    """include/exclude patterns that name none of `paths` (a typo, most likely)."""
-    patterns = (*options.include, *options.exclude)
+def unused_patterns(patterns: tuple[str, ...], paths: list[str]) -> list[str]:
+    """Patterns (fp8's include/exclude, quant's skip) that name none of `paths` (a typo, most
+    likely)."""
     return [p for p in patterns if not any(names(p, path) for path in paths)]
 
 

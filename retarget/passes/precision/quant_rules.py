@@ -159,9 +159,4 @@ def adapter_paths(root: nn.Module) -> frozenset[str]:
     return frozenset(found)
 
 
-def unused_patterns(skip: tuple[str, ...], paths: list[str]) -> list[str]:
-    """skip patterns that name none of `paths` (a typo, most likely)."""
-    return [p for p in skip if not any(names(p, path) for path in paths)]
-
-
 __all__ = ["QuantDecision", "RULES", "decide_all"]

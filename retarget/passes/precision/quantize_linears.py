@@ -28,7 +28,6 @@ trainable parameter left gets a warning (quant freezes what it quantizes: add ad
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -42,8 +41,9 @@ from retarget.core.modules import release_replaced
 from retarget.ir.program import Program
 from retarget.kernels.quant.formats import BITS, QuantLayout
 from retarget.kernels.quant.linear import QuantizedLinear
-from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.passes.precision.quant_rules import QuantDecision, decide_all, unused_patterns
+from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
+from retarget.passes.precision.fp8_rules import unused_patterns
+from retarget.passes.precision.quant_rules import QuantDecision, decide_all
 from retarget.passes.precision.swap_fp8 import called_paths, compress_paths, route_regions
 from retarget.spec.grammar import PARTS, Target
 from retarget.spec.precisions import LOW_DTYPES
@@ -86,14 +86,7 @@ class QuantizeOptions:
     """Whether FSDP2 shards the model (the storage dtype is then the one it gathers in)."""
 
     def __post_init__(self) -> None:
-        for item in dataclasses.fields(self):
-            if item.name not in _SCHEMA:
-                continue
-            value = getattr(self, item.name)
-            try:
-                object.__setattr__(self, item.name, _SCHEMA[item.name].coerce(value))
-            except ValueError as err:
-                raise ValueError(f"quantize_linears option {item.name}={value!r}: {err}") from None
+        coerce_options(self, _SCHEMA, "quantize_linears")
 
     @classmethod
     def from_target(cls, target: Target) -> QuantizeOptions:
@@ -161,6 +154,7 @@ class QuantizeLinears(Pass):
             return PassResult(False, stats, (f"{what}: nothing quantized", *kept_notes))
         before = after = 0
         compute = options.compute_dtype()
+        stored: set[str] = set()
         for path in chosen:
             linear = program.submodule(path)
             weight = linear.weight
@@ -170,7 +164,8 @@ class QuantizeLinears(Pass):
                 storage_dtype=options.storage_dtype(weight),
                 compute_dtype=compute,
             )
-            _replace(program.module, path, swapped)
+            program.module.set_submodule(path, swapped)
+            stored.add(_dtype_name(swapped.weight.dtype))
             before += weight.numel() * weight.element_size()
             after += swapped.quantized_bytes()
             report["linears"][path].update(bytes=swapped.quantized_bytes(), format=options.format)
@@ -182,7 +177,7 @@ class QuantizeLinears(Pass):
         trainable = sum(p.numel() for p in program.module.parameters() if p.requires_grad)
         notes = [
             f"{options.format} ({BITS[options.format]} bits) by the {backend} backend, compute "
-            f"in {_dtype_name(compute)}, stored as {_dtype_name(options.storage_dtype(weight))}",
+            f"in {_dtype_name(compute)}, stored as {', '.join(sorted(stored))}",
             f"quantized {len(chosen)} of {len(decisions)} Linears: {compress_paths(chosen)}",
             f"their weights: {before:,} bytes -> {after:,} ({after / before:.3f}x); "
             f"{released} full-size weights of the original model released",
@@ -210,10 +205,6 @@ class QuantizeLinears(Pass):
             options.block_size,
             options.double_quant and BITS[options.format] == 4,
         )
-
-
-def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
-    root.set_submodule(path, module)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

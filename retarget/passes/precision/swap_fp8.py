@@ -39,7 +39,7 @@ from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.kernels.fp8.backends import Environment, select_backend
 from retarget.kernels.fp8.recipe import Fp8Recipe
-from retarget.passes.base import Numerics, Pass, PassResult
+from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.passes.precision.fp8_rules import (
     Decision,
     EligibilityOptions,
@@ -89,12 +89,7 @@ class SwapFp8Options:
     """MS-AMP optimisation level (o1 | o2)."""
 
     def __post_init__(self) -> None:
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            try:
-                object.__setattr__(self, item.name, _SCHEMA[item.name].coerce(value))
-            except ValueError as err:
-                raise ValueError(f"swap_fp8 option {item.name}={value!r}: {err}") from None
+        coerce_options(self, _SCHEMA, "swap_fp8")
 
     @classmethod
     def from_target(cls, target: Target) -> SwapFp8Options:
@@ -192,7 +187,8 @@ def _kept_notes(decisions: list[Decision], options: EligibilityOptions) -> list[
         if not d.swapped:
             by_rule.setdefault(d.rule, []).append(d.path)
     notes = [f"kept by '{rule}': {', '.join(paths)}" for rule, paths in by_rule.items()]
-    for pattern in unused_patterns(options, [d.path for d in decisions]):
+    patterns = (*options.include, *options.exclude)
+    for pattern in unused_patterns(patterns, [d.path for d in decisions]):
         notes.append(f"pattern '{pattern}' names no Linear of this model")
     return notes
 
