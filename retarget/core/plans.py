@@ -315,6 +315,40 @@ class TpPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CpPlan:
+    """Context parallelism (`cp[...]`): the sequence split over a group of `size` ranks (the
+    mesh's innermost "cp" dim; the data-parallel ranks are the world over `size`)."""
+
+    size: int
+    attention: str
+    """"ring", "allgather" or "ulysses" (execution/context/attention.py)."""
+    balanced: bool
+    """Zig-zag chunks: rank i holds chunks i and 2N-1-i of 2N."""
+    layout_key: int
+    """The key of the layout the attention op reads (the process group is bound at apply)."""
+    implementation: str
+    """The attention implementation name registered with transformers for this model."""
+    attention_modules: tuple[str, ...] = ()
+    """Paths of the attention modules whose calls are split."""
+    sliding_windows: Mapping[str, int] = field(default_factory=dict)
+    """Attention module path -> sliding window, where the model's config gives one."""
+    sequence: int = 0
+    """The example's sequence length (whole) and each rank's share of it."""
+    per_rank_sequence: int = 0
+    data_parallel: int = 1
+    """world / size: the ranks that read different batches."""
+
+    def describe(self) -> str:
+        balance = "zig-zag chunks" if self.balanced else "contiguous chunks"
+        return (
+            f"cp[size={self.size}] ({self.attention} attention, {balance}): "
+            f"{len(self.attention_modules)} attention modules split; a sequence of "
+            f"{self.sequence} is {self.per_rank_sequence} positions per rank; "
+            f"{self.data_parallel} data-parallel group(s)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class AppliedPlan:
     """What apply_plan did in this process."""
 
@@ -341,6 +375,7 @@ class Plan:
     stream: StreamPlan | None = None
     xla: XlaPlan | None = None
     tp: TpPlan | None = None
+    cp: CpPlan | None = None
     applied: AppliedPlan | None = None
 
     @property

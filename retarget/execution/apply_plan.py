@@ -48,6 +48,7 @@ from retarget.core.capturing import capturing
 from retarget.core.modules import release_replaced
 from retarget.core.plans import AppliedPlan, FsdpPlan
 from retarget.core.slots import APPLIED, OUTER_FORWARD
+from retarget.execution.context.apply import apply_context, refuse_unlaunched
 from retarget.execution.module_call import own_forward
 from retarget.execution.process import ProcessState
 from retarget.execution.rank0_loading import collect_full, load_shards
@@ -67,11 +68,19 @@ class Applied:
     mesh: Any = None
     tp_modules: list[str] = field(default_factory=list)
     """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
+    context_mesh: Any = None
+    """Under cp: the (dp, cp) mesh (DDP or FSDP2 span every rank; loaders divide over dp)."""
 
     def data_state(self) -> ProcessState:
         """This process as data parallelism sees it: under tp, rank, world and process group
         of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
-        gather_for_metrics gathers over dp); otherwise the process itself."""
+        gather_for_metrics gathers over dp), and likewise under cp; otherwise the process
+        itself."""
+        if self.context_mesh is not None:
+            dp = self.context_mesh["dp"]
+            return dataclasses.replace(
+                self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
+            )
         names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
         if "tp" not in names:
             return self.state
@@ -112,6 +121,8 @@ def _apply(program: Program) -> None:
     planned = program.world.size
     describe = program.world.describe()
     if state.world_size == 1:
+        if plan.cp is not None:
+            refuse_unlaunched(program.module, plan.cp.size)
         plan.applied = AppliedPlan(applied=False, reason="world size is 1")
         planned_for = "" if planned == 1 else f" (the plan shown is for {describe})"
         program.notes.append(
@@ -135,6 +146,10 @@ def _apply(program: Program) -> None:
         applied = _apply_ddp(program, state)
     else:
         applied = _apply_fsdp(program, plan.fsdp, state)
+    if plan.cp is not None:
+        applied.context_mesh = apply_context(
+            module, plan.cp.layout_key, plan.cp.size, state.device.type, state.world_size
+        )
     APPLIED.set(module, applied)
     plan.applied = AppliedPlan(
         applied=True,
@@ -146,6 +161,13 @@ def _apply(program: Program) -> None:
 
 
 def _wrapped(applied: Applied) -> str:
+    text = _wrapper_of(applied)
+    if applied.context_mesh is not None:
+        text += f" + context parallel (mesh dp x cp {tuple(applied.context_mesh.shape)})"
+    return text
+
+
+def _wrapper_of(applied: Applied) -> str:
     if applied.kind == "tp":
         mesh = tuple(applied.mesh.shape)
         return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"

@@ -32,7 +32,7 @@ from retarget.core.world import ACCUMULATION_ENV
 from retarget.launch.config import LaunchError
 from retarget.spec.errors import TargetError
 from retarget.spec.grammar import Target
-from retarget.spec.parallelism import SIZES, UNSUPPORTED
+from retarget.spec.parallelism import CONTEXT_SIZES, SIZES
 from retarget.spec.precisions import PRECISION_PART_NAMES
 
 __all__ = ["AccelerateFlags", "add_accelerate_arguments", "with_precision_flags"]
@@ -101,8 +101,8 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "enable_cpu_affinity": (False, "NUMA affinity is not set; start the launch under numactl"),
 }
 #: --parallelism_config_<size>: read by target/parallelism.py (N-D sizes -> the target).
-_SIZES = (*SIZES, *UNSUPPORTED)
-_PARALLELISM = ("cp_backend", "cp_comm_strategy", "sp_backend", "sp_seq_length")
+_SIZES = (*SIZES, *CONTEXT_SIZES)
+_PARALLELISM = ("cp_backend", "sp_backend", "sp_seq_length")
 _PARALLELISM += ("sp_seq_length_is_variable", "sp_attn_implementation")
 REFUSED.update({f"parallelism_config_{name}": (True, _ND) for name in _PARALLELISM})
 _MEGATRON_VALUED = ("tp_degree", "pp_degree", "num_micro_batches", "sequence_parallelism")
@@ -159,6 +159,8 @@ def add_accelerate_arguments(parser: argparse.ArgumentParser) -> None:
     for name in _SIZES:
         flag = f"parallelism_config_{name}"
         parser.add_argument(*_spellings(flag), dest=flag, type=int, help=argparse.SUPPRESS)
+    flag = "parallelism_config_cp_comm_strategy"  # cp's attention (spec/parallelism.py)
+    parser.add_argument(*_spellings(flag), dest=flag, help=argparse.SUPPRESS)
     parser.add_argument("-q", "--quiet", action="store_true", help="no launch line")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
     parser.add_argument(
@@ -213,6 +215,7 @@ def _parallelism(args: argparse.Namespace, kinds: list[str]) -> tuple[dict[str, 
     parallelism_config section beside FSDP: Accelerate takes them only with --use_fsdp, which
     may be left out here."""
     sizes = {n: getattr(args, f"parallelism_config_{n}", None) for n in _SIZES}
+    sizes["cp_comm_strategy"] = getattr(args, "parallelism_config_cp_comm_strategy", None)
     given = [f"--parallelism_config_{n}" for n, v in sizes.items() if v is not None]
     used = getattr(args, "use_parallelism_config", None)
     if not (used or given):

@@ -93,6 +93,11 @@ def tp_planned(p: Program) -> bool:
     return p.plan.tp is not None
 
 
+def context_planned(p: Program) -> bool:
+    """plan.cp holds the context-parallel layout and the example is this rank's share"""
+    return p.plan.cp is not None
+
+
 def comm_hook_planned(p: Program) -> bool:
     """plan.comm_hook holds the hook DDP installs"""
     return p.plan.comm_hook is not None
@@ -138,6 +143,7 @@ FACTS: dict[str, Fact] = {
     "zero1": zero1_planned,
     "fsdp": fsdp_planned,
     "tp": tp_planned,
+    "context": context_planned,
     "comm_hook": comm_hook_planned,
     "compiled": regions_compiled,
     "stream": stream_planned,

@@ -30,6 +30,7 @@ from retarget.passes.precision.swap_fp8 import SwapFp8
 from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
 from retarget.passes.shard.shard_tp import ShardTp
+from retarget.passes.shard.split_context import SplitContext
 from retarget.passes.shard.zero1 import ShardOptimizerState
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
@@ -38,6 +39,10 @@ from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # The tree and the repeated blocks decide what becomes a region.
     (frozenset(), FindBlocks),
+    # cp: the model's attention routed to the split op and the example cut to this rank's share
+    # of the sequence. Before capture (declared after it by capture_regions), so every region
+    # graph holds the split attention and is captured at the shapes the rank runs.
+    (frozenset({"cp"}), SplitContext),
     # One graph per block type, before any graph rewrite (requires blocks).
     (frozenset(), CaptureRegions),
     # Shapes and FLOPs of the model as given, for the report and for later decisions.

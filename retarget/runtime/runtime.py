@@ -115,6 +115,20 @@ class Runtime(ProcessStateFacade):
 
     # -- data and collectives --------------------------------------------------------------
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which batch this rank reads: its rank among the data-parallel ranks (the ranks of
+        a tp or cp group read the same batches and share this number)."""
+        return self._data_view().rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches the ranks read per step (the world over tp and cp)."""
+        return self._data_view().world_size
+
+    def _data_view(self) -> Any:
+        return self.applied.data_state() if self.applied is not None else self.state
+
     def shard(self, loader: DataLoader, **options: Any) -> Any:
         """This rank's share of `loader` (options of runtime.data.shard_dataloader); under
         `xla` its batches are uploaded by torch_xla's ParallelLoader (runtime.data.xla_feed)."""

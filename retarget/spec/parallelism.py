@@ -8,9 +8,12 @@ TorchTensorParallelPlugin's tp_size) as the target parts that lay out the same m
     R             S         1    ->  hsdp[replicate=R,shard=S]
     R             1         1    ->  ddp
 
-Sizes of 1 (or unset) are absent dims. Anything else is refused with the reason: context or
-sequence parallelism (not implemented), replication beside tp (DDP does not take tp's
-DTensors; hsdp+tp needs a 3-D mesh, not implemented).
+    and cp_size C (or sp_size C)    ->  the above + cp[size=C] (sp: cp[attention=ulysses]);
+                                        FSDP2 over the cp ranks when nothing else is set
+
+Sizes of 1 (or unset) are absent dims. Anything else is refused with the reason: cp beside tp
+or hsdp, cp and sp both set, replication beside tp (DDP does not take tp's DTensors; hsdp+tp
+needs a 3-D mesh, not implemented).
 
 Accelerate reads these sizes only beside FSDP2 (`distributed_type: FSDP` with a
 `parallelism_config:` section, or `--use_fsdp --use_parallelism_config`), so the FSDP settings
@@ -30,19 +33,48 @@ from typing import Any
 from retarget.spec.errors import TargetError
 from retarget.spec.grammar import Target
 
-#: The sizes read; the others Accelerate has (cp, sp) are refused when above 1.
+#: The data-parallel and tensor-parallel sizes; the context-parallel ones are CONTEXT_SIZES.
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size")
-UNSUPPORTED = {
-    "cp_size": "context parallelism is not implemented",
-    "sp_size": "sequence parallelism (Ulysses) is not implemented",
-}
+#: Accelerate's context-parallel sizes: cp (ring attention under FSDP2) and sp (DeepSpeed's
+#: Ulysses sequence parallelism), both the `cp` part here.
+CONTEXT_SIZES = ("cp_size", "sp_size")
+#: Accelerate's cp_comm_strategy (its TorchContextParallelConfig) -> cp's attention: torch's
+#: "alltoall" rotates keys and values round the group, as our ring does.
+COMM_STRATEGIES = {"allgather": "allgather", "alltoall": "ring"}
 
 
 def parallelism_target(sizes: Mapping[str, Any], where: str) -> Target:
     """The target for Accelerate's sizes (see the module docstring); TargetError names `where`."""
-    for key, why in UNSUPPORTED.items():
-        if _size(sizes, key, where) > 1:
-            raise TargetError(f"{where}.{key}={sizes[key]}: {why}; leave it at 1", where)
+    cp, sp = (_size(sizes, key, where) for key in CONTEXT_SIZES)
+    if cp > 1 and sp > 1:
+        raise TargetError(
+            f"{where}: cp_size={cp} and sp_size={sp} both split the sequence; set one", where
+        )
+    if max(cp, sp) == 1:
+        return _data_and_tensor_target(sizes, where)
+    strategy = sizes.get("cp_comm_strategy")
+    if strategy is not None and str(strategy).lower() not in COMM_STRATEGIES:
+        raise TargetError(
+            f"{where}.cp_comm_strategy={strategy!r}: one of {', '.join(COMM_STRATEGIES)}", where
+        )
+    attention = COMM_STRATEGIES[str(strategy).lower()] if strategy is not None else "ring"
+    if sp > 1:
+        attention = "ulysses"
+    part = f"cp[size={max(cp, sp)},attention={attention}]"
+    replicate, shard, tp = (_size(sizes, key, where) for key in SIZES)
+    if tp > 1 or (replicate > 1 and shard > 1):
+        raise TargetError(
+            f"{where}: {'cp' if cp > 1 else 'sp'}_size={max(cp, sp)} beside "
+            f"{'tp_size' if tp > 1 else 'dp_replicate_size and dp_shard_size'}: context "
+            "parallelism composes with one data-parallel dim (dp_shard_size: fsdp, or "
+            "dp_replicate_size: ddp) here, not yet with tp or hsdp",
+            where,
+        )
+    base = "ddp" if replicate > 1 else "fsdp"
+    return Target.parse(f"{base}+{part}")
+
+
+def _data_and_tensor_target(sizes: Mapping[str, Any], where: str) -> Target:
     replicate, shard, tp = (_size(sizes, key, where) for key in SIZES)
     if tp > 1 and replicate > 1:
         raise TargetError(

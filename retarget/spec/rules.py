@@ -46,6 +46,25 @@ _TP_CONFLICTS = {
     "quant": "'quant' and 'tp' do not combine yet: torch's parallel styles split nn.Linear "
     "weights and quantized Linears hold one packed buffer; use fsdp+quant",
 }
+_CP_COMPOSES = (
+    "context parallelism runs beside ddp, fsdp, zero2 or zero3, which average gradients over "
+    "every rank, data- and context-parallel alike (Accelerate's dp_shard x cp), with bf16, "
+    "fp16 and ac"
+)
+#: The parts cp does not combine with yet, and why.
+_CP_CONFLICTS = {
+    "single": f"'single' and 'cp' do not combine: 'single' runs one process; {_CP_COMPOSES}",
+    "tp": "'tp' and 'cp' do not combine yet (a (dp, cp, tp) mesh is not implemented); "
+    + _CP_COMPOSES,
+    "hsdp": f"'hsdp' and 'cp' do not combine yet (a 3-D mesh is not implemented); {_CP_COMPOSES}",
+    "zero1": f"'zero1' and 'cp' do not combine yet; {_CP_COMPOSES}",
+    "xla": f"'xla' and 'cp' do not combine: XLA partitions the program itself; {_CP_COMPOSES}",
+    "compile": "'compile' and 'cp' do not combine yet: the split attention's collectives run "
+    "in an opaque op that torch.compile has not been tested around; drop compile",
+    "fp8": f"'fp8' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
+    "quant": f"'quant' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
+    "offload": f"'offload' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
+}
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {
     **{
@@ -54,6 +73,7 @@ CONFLICTS: dict[frozenset[str], str] = {
         for a, b in combinations(STRATEGIES, 2)
     },
     **{frozenset((s, "tp")): why for s, why in _TP_CONFLICTS.items()},
+    **{frozenset((s, "cp")): why for s, why in _CP_CONFLICTS.items()},
     **{
         frozenset(("stream", other)): f"'stream' and '{other}' do not combine: stream runs "
         "inference in one process, bringing weights in block by block; "
@@ -61,6 +81,7 @@ CONFLICTS: dict[frozenset[str], str] = {
         for other in (
             *(s for s in STRATEGIES if s not in ("single", "xla")),
             "tp",
+            "cp",
             "ac",
             "fp8",
             "quant",
@@ -99,6 +120,12 @@ _HOOK_NEEDS = (DDP_STRATEGIES, "comm hooks change DDP's gradient all-reduce")
 #: Parts that need one of the listed parts.
 NEEDS_ONE_OF = {
     "offload": (FSDP_STRATEGIES, "offload moves sharded state to the CPU"),
+    "cp": (
+        ("ddp", "fsdp", "zero2", "zero3"),
+        "the ranks of a cp group compute one sequence's gradients in parts, which DDP or FSDP2 "
+        "average over every rank; write ddp+cp (ddp over one cp group when cp[size] is the "
+        "world) or fsdp+cp",
+    ),
     "powersgd": _HOOK_NEEDS,
     "fp16-comm": _HOOK_NEEDS,
     "bf16-comm": _HOOK_NEEDS,
@@ -158,7 +185,7 @@ NAME_HINTS = dict(
     " checkpoint:ac activation_checkpointing:ac dynamo:compile torch_compile:compile"
     " cpu_offload:offload tensor_parallel:tp hybrid_shard:hsdp dp:ddp no:single none:single"
     " qlora:quant bnb:quant bitsandbytes:quant nf4:quant int8:quant int4:quant"
-    " quantize:quant".split()
+    " quantize:quant context_parallel:cp ring_attention:cp ulysses:cp sp:cp".split()
 )
 
 

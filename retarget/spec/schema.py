@@ -100,6 +100,23 @@ PARTS: dict[str, PartSchema] = {
             ),
         },
     ),
+    "cp": PartSchema(
+        "context parallelism: the sequence split over a group of ranks, attention across it",
+        {
+            "size": int_option(
+                0, "context-parallel degree; 0: the world, or what data parallelism leaves"
+            ),
+            "attention": enum_option(
+                "ring",
+                "ring|allgather|ulysses",
+                "ring: keys/values passed round the group; allgather: gathered whole; "
+                "ulysses: all-to-all from sequence shards to head shards",
+            ),
+            "load_balance": bool_option(
+                True, "zig-zag chunks (rank i holds chunks i and 2N-1-i): even causal work"
+            ),
+        },
+    ),
     "xla": PartSchema(
         "XLA devices (torch-xla)",
         {

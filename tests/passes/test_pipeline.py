@@ -145,7 +145,12 @@ def test_a_part_no_stage_realises_is_refused(monkeypatch):
 
 def _alone(part: str) -> str:
     """A valid target naming `part`: parts that need a strategy or precision get one."""
-    needs = {"offload": "fsdp+offload", "fp16-comm": "ddp+fp16-comm", "bf16-comm": "ddp+bf16-comm"}
+    needs = {
+        "offload": "fsdp+offload",
+        "fp16-comm": "ddp+fp16-comm",
+        "bf16-comm": "ddp+bf16-comm",
+        "cp": "ddp+cp",
+    }
     return needs.get(part, "ddp+powersgd" if part == "powersgd" else part)
 
 

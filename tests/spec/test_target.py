@@ -20,7 +20,13 @@ from retarget.spec.grammar import (
 # --- canonical form and round trips -------------------------------------------------------------
 
 # Every part needs these to stand in a valid target.
-COMPANION = {"offload": "fsdp", "powersgd": "ddp", "fp16-comm": "ddp", "bf16-comm": "ddp"}
+COMPANION = {
+    "offload": "fsdp",
+    "powersgd": "ddp",
+    "fp16-comm": "ddp",
+    "bf16-comm": "ddp",
+    "cp": "ddp",
+}
 
 
 @pytest.mark.parametrize("name", list(PARTS))
@@ -48,6 +54,7 @@ NON_DEFAULT = [
     "state_dict=full,sync_module_states=false]",
     "fsdp+tp[loss_parallel=true,plan=pkg.plans:LLAMA_PLAN,sequence_parallel=true,size=4]",
     "tp[plan=hf]",
+    "fsdp+cp[attention=ulysses,load_balance=false,size=2]",
     "xla[spmd=false]+bf16[autocast_eval=false,downcast=true,keep_fp32=cumsum|exp]",
     "xla[sharding=replicate]",
     "fp16[autocast_eval=false,backoff_factor=0.25,growth_factor=4.0,growth_interval=100,"
@@ -208,7 +215,7 @@ ERRORS = [
         "xyzzy",
         "xyzzy",
         "unknown target part 'xyzzy'; expected one of: single, ddp, fsdp, zero1, zero2, zero3, "
-        "hsdp, tp, xla, bf16, fp16, fp8, quant, ac, offload, compile, powersgd, fp16-comm, "
+        "hsdp, tp, cp, xla, bf16, fp16, fp8, quant, ac, offload, compile, powersgd, fp16-comm, "
         "bf16-comm, stream",
     ),
     # unknown options

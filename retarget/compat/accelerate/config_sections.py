@@ -61,7 +61,7 @@ from retarget.compat.accelerate.config_keys import (
 )
 from retarget.spec.errors import TargetError
 from retarget.spec.grammar import Target
-from retarget.spec.parallelism import SIZES, UNSUPPORTED, parallelism_target, with_layout
+from retarget.spec.parallelism import CONTEXT_SIZES, SIZES, parallelism_target, with_layout
 
 __all__ = ["read_distribution", "read_dynamo", "read_precision", "read_target_sections"]
 
@@ -229,7 +229,7 @@ def _read_parallelism(file: AccelerateFile, parts: Parts) -> None:
     sizes: dict[str, Any] = {}
     for key, value in config.items():
         name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
-        if name in (*SIZES, *UNSUPPORTED):
+        if name in (*SIZES, *CONTEXT_SIZES, "cp_comm_strategy"):
             sizes[name] = value
         elif not is_noop(value):
             file.fail(f"parallelism_config.{key}", f"cannot be honoured: {_ND}")

@@ -32,7 +32,7 @@ from retarget.compat.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
 from retarget.execution import xla_device as xla
 from retarget.spec.grammar import Target, TargetError, parse_target
-from retarget.spec.parallelism import SIZES, UNSUPPORTED, parallelism_target
+from retarget.spec.parallelism import CONTEXT_SIZES, SIZES, parallelism_target
 from retarget.spec.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
 
 __all__ = ["Resolution", "resolve_target"]
@@ -283,7 +283,9 @@ def _base(
     if target is not None:
         return parse_target(target), "target=", None
     if parallelism_config is not None:
-        sizes = {k: getattr(parallelism_config, k, None) for k in (*SIZES, *UNSUPPORTED)}
+        sizes = {k: getattr(parallelism_config, k, None) for k in (*SIZES, *CONTEXT_SIZES)}
+        handler = getattr(parallelism_config, "cp_handler", None)
+        sizes["cp_comm_strategy"] = getattr(handler, "cp_comm_strategy", None)
         return parallelism_target(sizes, "parallelism_config"), "parallelism_config", None
     if chosen:
         plugin_target, steps = _plugin_target(fsdp_plugin, deepspeed_plugin)

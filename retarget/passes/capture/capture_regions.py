@@ -1,6 +1,7 @@
 """capture_regions: capture one graph per distinct block type and reuse it for every repeat.
 
-Contract: requires blocks | provides regions | after - | numerics exact | options CaptureOptions
+Contract: requires blocks | provides regions | after split_context | numerics exact
+    | options CaptureOptions
 
 Modes (`compile_for(capture=...)`):
 - "regions" (default): every repeated block found by find_blocks is a region; glue code
@@ -58,6 +59,8 @@ class CaptureRegions(Pass):
     summary = "capture one graph per distinct block type, reuse it for every repeat"
     requires = ("blocks",)
     provides = ("regions",)
+    # cp routes attention to its split op and cuts the example first (split_context).
+    after = ("split_context",)
     Options = CaptureOptions
 
     @classmethod

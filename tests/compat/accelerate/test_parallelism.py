@@ -27,6 +27,11 @@ def _sizes(**given: int) -> dict[str, int]:
         (_sizes(dp_replicate_size=2, dp_shard_size=2), "hsdp[replicate=2,shard=2]"),
         (_sizes(dp_replicate_size=2), "ddp"),
         ({"tp_size": "2"}, "tp[size=2]"),
+        (_sizes(cp_size=2), "fsdp+cp[size=2]"),
+        (_sizes(dp_shard_size=2, cp_size=2), "fsdp+cp[size=2]"),
+        (_sizes(dp_replicate_size=2, cp_size=2), "ddp+cp[size=2]"),
+        ({"sp_size": 2}, "fsdp+cp[attention=ulysses,size=2]"),
+        ({"cp_size": 2, "cp_comm_strategy": "allgather"}, "fsdp+cp[attention=allgather,size=2]"),
     ],
 )
 def test_sizes_become_the_target_with_that_mesh(sizes, target):
@@ -37,8 +42,9 @@ def test_sizes_become_the_target_with_that_mesh(sizes, target):
     "sizes, message",
     [
         (_sizes(dp_replicate_size=2, tp_size=2), "replication beside tensor parallelism"),
-        (_sizes(cp_size=2), "ParallelismConfig.cp_size=2: context parallelism"),
-        ({"sp_size": 2}, r"sequence parallelism \(Ulysses\) is not implemented"),
+        (_sizes(cp_size=2, tp_size=2), "cp_size=2 beside tp_size: context parallelism"),
+        ({"cp_size": 2, "sp_size": 2}, "both split the sequence"),
+        ({"cp_size": 2, "cp_comm_strategy": "ring"}, "cp_comm_strategy='ring': one of"),
         (_sizes(), "every size is 1"),
         ({"tp_size": 0}, "expected a whole number >= 1"),
         ({"tp_size": "two"}, "expected a whole number"),
@@ -110,12 +116,7 @@ def test_yaml_parallelism_config_lays_out_the_fsdp_strategy(tmp_path, sizes, fsd
 @pytest.mark.parametrize(
     "sizes, fsdp, message",
     [
-        ({"tp_size": 2, "cp_size": 2}, "", "cp_size=2: context parallelism is not implemented"),
-        (
-            {"tp_size": 2, "cp_comm_strategy": "allgather"},
-            "",
-            "parallelism_config.parallelism_config_cp_comm_strategy: cannot be honoured",
-        ),
+        ({"tp_size": 2, "cp_size": 2}, "", "cp_size=2 beside tp_size"),
         ({"tp_size": 2, "dp_replicate_size": 2}, "", "replication beside tensor parallelism"),
         (
             {"dp_shard_size": 4},
