@@ -167,6 +167,39 @@ def _quant_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _cp_rows(d: dict) -> list[Row]:
+    rows = []
+    memory = d.get("memory", {})
+    seq = memory.get("sequence")
+    for mode, ratio in memory.get("ratio cp rank / one process", {}).items():
+        rows.append(
+            (
+                "context parallelism, 2 ranks",
+                f"activations per rank / one process, {mode}, sequence {seq}",
+                f"{ratio:.3f}x",
+            )
+        )
+    if "longest sequence ratio cp / one process" in memory:
+        rows.append(
+            (
+                "context parallelism, 2 ranks",
+                "longest sequence in a fixed activation budget, cp / one process",
+                f"{memory['longest sequence ratio cp / one process']:.2f}x",
+            )
+        )
+    time = d.get("time", {})
+    for mode, ratio in time.get("ratio to ring", {}).items():
+        if mode != "ring":
+            rows.append(
+                (
+                    "context parallelism, 2 ranks",
+                    f"step time {mode} / ring, sequence {time.get('sequence')}",
+                    f"{ratio:.2f}x",
+                )
+            )
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -207,6 +240,12 @@ SUITES: dict[str, Suite] = {
             results="quant.json",
             rows=_quant_rows,
             needs=("peft",),
+        ),
+        Suite(
+            name="cp",
+            file="test_context_parallel.py",
+            results="context_parallel.json",
+            rows=_cp_rows,
         ),
         Suite(
             name="startup",

@@ -340,10 +340,14 @@ class CpPlan:
 
     def describe(self) -> str:
         balance = "zig-zag chunks" if self.balanced else "contiguous chunks"
+        share = (
+            f"a sequence of {self.sequence} is {self.per_rank_sequence} positions per rank"
+            if self.sequence
+            else "each call's sequence is cut into 1/size per rank"
+        )
         return (
             f"cp[size={self.size}] ({self.attention} attention, {balance}): "
-            f"{len(self.attention_modules)} attention modules split; a sequence of "
-            f"{self.sequence} is {self.per_rank_sequence} positions per rank; "
+            f"{len(self.attention_modules)} attention modules split; {share}; "
             f"{self.data_parallel} data-parallel group(s)"
         )
 

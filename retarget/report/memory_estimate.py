@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from retarget.core.world import World
+from retarget.execution.module_call import own_forward
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.shard.shard_tp import fsdp_shapes
@@ -170,6 +172,12 @@ def estimate_memory(
             "activations not measured yet (a report never runs the model): "
             "estimate_memory(compiled) runs one profiled forward and keeps the figures"
         )
+    if program.plan.cp is not None and profile is not None:
+        cp = program.plan.cp
+        notes.append(
+            f"cp[size={cp.size}]: activations are one rank's share of the sequence "
+            f"({cp.per_rank_sequence or '1/' + str(cp.size)} positions)"
+        )
     if target.strategy == "ddp":
         notes.append(
             "DDP also keeps gradient buckets the size of the gradients, unless "
@@ -233,7 +241,10 @@ def _optimizer_bytes(
 def _profile_now(program) -> ActivationProfile:
     groups = {path: group.name for group in program.blocks for path in group.paths}
     example = program.example
-    return profile_activations(program.module, groups, example.args, example.kwargs)
+    # Under cp the example is already a rank's share: the model's own forward takes it (its
+    # outer call would cut the sequence again).
+    call = partial(own_forward, program.module) if program.plan.cp is not None else None
+    return profile_activations(program.module, groups, example.args, example.kwargs, call)
 
 
 def _by_group(program, profile: ActivationProfile, plan: dict[str, str]) -> dict[str, int]:

@@ -6,7 +6,7 @@ itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
 
 from __future__ import annotations
 
-from retarget.core.plans import AppliedPlan, DdpPlan, FsdpPlan, Plan, StreamPlan, TpPlan
+from retarget.core.plans import AppliedPlan, CpPlan, DdpPlan, FsdpPlan, Plan, StreamPlan, TpPlan
 
 _SHOWN_RANKS = 8
 _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
@@ -39,7 +39,22 @@ def plan_lines(plan: Plan) -> list[str]:
         )
     if plan.comm_hook is not None:
         lines.append(f"  comm hook: {plan.comm_hook.describe()}")
+    if plan.cp is not None:
+        lines += _cp_lines(plan.cp)
     return lines
+
+
+def _cp_lines(plan: CpPlan) -> list[str]:
+    lines = [f"  {plan.describe()}"]
+    lines.append(
+        f"  (the strategy averages gradients over all ranks, data- and context-parallel: "
+        f"mesh (dp {plan.data_parallel}, cp {plan.size}))"
+    )
+    rows = [("attention module", "split", "sliding window")]
+    for path in plan.attention_modules:
+        window = plan.sliding_windows.get(path)
+        rows.append((path, f"{plan.attention} over {plan.size} ranks", str(window or "-")))
+    return lines + _table(rows)
 
 
 def _stream_lines(plan: StreamPlan) -> list[str]:

@@ -222,3 +222,24 @@ def test_startup_rows_read_the_startup_suites_figures():
         "7.50x (0.60 s vs 0.08 s)",
     ) in rows
     assert ("start-up", "capture's share of a short script's wall time, uncompiled", "8%") in rows
+
+
+def test_cp_rows_read_the_context_parallel_suites_figures():
+    figures = {
+        "memory": {
+            "sequence": 4096,
+            "ratio cp rank / one process": {"ring": 0.516, "ulysses": 0.52},
+            "longest sequence ratio cp / one process": 1.94,
+        },
+        "time": {"sequence": 1024, "ratio to ring": {"ring": 1.0, "allgather": 1.154}},
+    }
+    rows = bench.SUITES["cp"].rows(figures)
+    group = "context parallelism, 2 ranks"
+    assert (group, "activations per rank / one process, ring, sequence 4096", "0.516x") in rows
+    assert (
+        group,
+        "longest sequence in a fixed activation budget, cp / one process",
+        "1.94x",
+    ) in rows
+    assert (group, "step time allgather / ring, sequence 1024", "1.15x") in rows
+    assert len(rows) == 4

@@ -154,6 +154,14 @@ def test_refused_table_names_a_reason_for_each_flag():
             "fsdp+tp[size=2]+bf16",
         ),
         (["--use_parallelism_config", "--parallelism_config_tp_size", "4"], "tp[size=4]"),
+        (
+            ["--use_parallelism_config", "--parallelism_config_cp_size", "2",
+             "--parallelism_config_dp_shard_size", "2",
+             "--parallelism_config_cp_comm_strategy", "allgather"],
+            "fsdp+cp[attention=allgather,size=2]",
+        ),
+        (["--use_parallelism_config", "--parallelism_config_sp_size", "2"],
+         "fsdp+cp[attention=ulysses,size=2]"),
         (  # as Accelerate asks for it: with --use_fsdp, whose flags keep their meaning
             ["--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false",
              "--fsdp_activation_checkpointing", "true", "--use_parallelism_config",

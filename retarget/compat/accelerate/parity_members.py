@@ -25,7 +25,7 @@ _FP8_BACKENDS = {"te": "TE", "msamp": "MSAMP", "torchao": "AO"}
 
 class ParityMembers:
     """dataloader settings, parallelism facts, scaler, gradient_state and the members of
-    Accelerate's features retarget does not have (context parallelism, LOMO, Ulysses)."""
+    Accelerate's features retarget does not have (LOMO, pipeline ranks)."""
 
     # -- dataloader settings (DataLoaderConfiguration) --------------------------------------
 
@@ -92,32 +92,38 @@ class ParityMembers:
     def should_save_model(self) -> bool:
         return self.state.is_local_main_process
 
-    def _mesh_sizes(self, name: str) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) sizes of Accelerate's mesh order, from the
-        parallelism_config given, else from a target with tp; RuntimeError as in Accelerate
-        when neither says it."""
+    def _mesh_sizes(self, name: str) -> tuple[int, int, int, int]:
+        """(dp_replicate, dp_shard, cp, tp) sizes of Accelerate's mesh order, from the
+        parallelism_config given, else from a target with tp or cp; RuntimeError as in
+        Accelerate when neither says it."""
         config = getattr(self, "_parallelism_config", None)
         if config is not None:
-            sizes = [getattr(config, f, 1) or 1 for f in ("dp_replicate_size", "dp_shard_size")]
-            return sizes[0], sizes[1], getattr(config, "tp_size", 1) or 1
-        part = self.target.get("tp")
-        if part is None:
-            raise RuntimeError(f"{name}: no parallelism is configured (parallelism_config, tp)")
-        tp = int(dict(part.options).get("size", 0)) or self.num_processes
-        return 1, self.num_processes // tp, tp
+            fields = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
+            replicate, shard, cp, sp, tp = (getattr(config, f, 1) or 1 for f in fields)
+            return replicate, shard, max(cp, sp), tp
+        sizes = {}
+        for part_name in ("tp", "cp"):
+            part = self.target.get(part_name)
+            if part is not None:
+                sizes[part_name] = int(dict(part.options).get("size", 0)) or self.num_processes
+        if not sizes:
+            raise RuntimeError(f"{name}: no parallelism is configured (parallelism_config, tp, cp)")
+        tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+        return 1, self.num_processes // (tp * cp), cp, tp
 
     def _rank_on(self, name: str, dim: int) -> int:
-        replicate, shard, tp = self._mesh_sizes(name)
-        rank = self.process_index
-        return (rank // (shard * tp), (rank // tp) % shard, rank % tp)[dim]
+        """This process's coordinate on dim `dim` of (replicate, shard, cp, tp), tp innermost."""
+        sizes = self._mesh_sizes(name)
+        rank, coords = self.process_index, []
+        for size in reversed(sizes):
+            coords.append(rank % size)
+            rank //= size
+        return coords[::-1][dim]
 
-    tensor_parallel_rank = property(lambda self: self._rank_on("tensor_parallel_rank", 2))
+    tensor_parallel_rank = property(lambda self: self._rank_on("tensor_parallel_rank", 3))
+    context_parallel_rank = property(lambda self: self._rank_on("context_parallel_rank", 2))
     data_parallel_rank = property(lambda self: self._rank_on("data_parallel_rank", 0))
     data_parallel_shard_rank = property(lambda self: self._rank_on("data_parallel_shard_rank", 1))
-
-    @property
-    def context_parallel_rank(self) -> int:
-        raise NotImplementedError("context_parallel_rank: context parallelism is not supported")
 
     @property
     def pipeline_parallel_rank(self) -> int:
@@ -130,7 +136,10 @@ class ParityMembers:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
-        """Does nothing, as in Accelerate when context parallelism is off (it always is)."""
+        """Accelerate shards `buffers` along the sequence in place for the model's call; here
+        the compiled model cuts each whole batch to this rank's share itself (under cp the
+        model takes the whole sequence and returns the whole loss), so the buffers stay whole
+        and nothing needs restoring: the same code runs, with or without cp."""
         yield
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:

@@ -232,7 +232,9 @@ def _scatter_sum_sequence(layout: ContextLayout, x: Tensor) -> Tensor:
     """[B, H, N*L, D] per rank -> this rank's [B, H, L, D] chunk summed over the ranks."""
     chunks = torch.cat(x.chunk(layout.size, dim=2), dim=0)
     out = torch.empty_like(chunks[: x.shape[0]])
-    dist.reduce_scatter_tensor(out, chunks, group=layout.group)
+    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(out, chunks, group=layout.group)
     return out
 
 

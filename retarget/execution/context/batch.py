@@ -59,6 +59,13 @@ def split_call(
     length = sequence_length((), kwargs)
     if length is None:
         raise ValueError("cp: the call has neither input_ids nor inputs_embeds to split")
+    chunks = layout.chunks(length)
+    if length % chunks:
+        raise ValueError(
+            f"cp[size={layout.size}]: a call with a sequence of {length} positions does not "
+            f"split into {chunks} equal chunks; pad or cut sequences to a multiple of {chunks} "
+            "(generate() runs one position at a time: generate with the model unwrap() returns)"
+        )
     mine = layout.positions(layout.rank, length)
     for name in ("input_ids", "inputs_embeds"):
         if isinstance(kwargs.get(name), Tensor):

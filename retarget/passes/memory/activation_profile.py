@@ -21,7 +21,7 @@ holds no tensor once it returns.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,9 +177,14 @@ class _Profiler(StorageTracker):
 
 
 def profile_activations(
-    module: nn.Module, groups: Mapping[str, str], args: tuple, kwargs: dict
+    module: nn.Module,
+    groups: Mapping[str, str],
+    args: tuple,
+    kwargs: dict,
+    call: Callable[..., Any] | None = None,
 ) -> ActivationProfile:
     """Profile one forward of `module(*args, **kwargs)`; `groups` maps repeat path -> group name.
+    `call` runs the forward instead of `module` (e.g. its own forward below a wrapper).
 
     Runs in training mode with grad enabled; RNG streams and buffers are restored afterwards and
     nothing is kept, so the profile leaves no trace on training.
@@ -197,7 +202,7 @@ def profile_activations(
     hooks = torch.autograd.graph.saved_tensors_hooks(profiler.pack, lambda t: t)
     try:
         with preserved_state(module), torch.enable_grad(), hooks, profiler:
-            out = module(*args, **kwargs)
+            out = (call or module)(*args, **kwargs)
             for storage in tensor_storages(out):
                 profiler.record(profiler.glue, storage)
     finally:

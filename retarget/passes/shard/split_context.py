@@ -74,6 +74,27 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+#: Words in a module class's name that mark a layer mixing positions outside attention.
+_MIXER_WORDS = ("mamba", "ssm", "rwkv", "retention", "deltanet", "linearattention", "shortconv")
+
+
+def position_mixers(model: nn.Module) -> dict[str, str]:
+    """Modules that mix positions along the sequence outside attention, with why: a
+    convolution over time, a recurrent or state-space layer. A rank holding a shard of the
+    sequence would compute them on its shard alone."""
+    found: dict[str, str] = {}
+    for path, module in model.named_modules():
+        if any(path.startswith(f"{p}.") for p in found):
+            continue
+        name = type(module).__name__
+        if isinstance(module, nn.Conv1d):
+            found[path] = f"{name} convolves over positions"
+        elif any(word in name.lower() for word in _MIXER_WORDS):
+            found[path] = f"{name} mixes positions outside attention (recurrent, state-space "
+            found[path] += "or convolution layer)"
+    return found
+
+
 class SplitContext(Pass):
     name = "split_context"
     summary = "context parallelism: the sequence split over the cp ranks, attention across them"
@@ -107,6 +128,15 @@ class SplitContext(Pass):
                 "interface (config._attn_implementation), where cp splits attention; models "
                 "outside transformers are not supported yet"
             )
+        mixers = position_mixers(model)
+        if mixers:
+            path, why = next(iter(mixers.items()))
+            more = f" (and {len(mixers) - 1} more)" if len(mixers) > 1 else ""
+            raise TargetNotSupportedError(
+                f"{where}: {path}: {why}{more}; context parallelism splits the sequence across "
+                "ranks and only attention is computed across them, so this model cannot be "
+                "split; drop cp"
+            )
         heads = getattr(config, "num_attention_heads", 0)
         if options.attention == "ulysses" and heads % size:
             raise TargetNotSupportedError(
@@ -120,8 +150,8 @@ class SplitContext(Pass):
                 "dropout: set it to 0"
             )
         example = program.example
-        length = sequence_length(example.args, example.kwargs) if example else None
-        if length is None:
+        length = sequence_length(example.args, example.kwargs) if example else 0
+        if example is not None and length is None:
             raise TargetNotSupportedError(
                 f"{where}: the example has no input_ids or inputs_embeds; cp splits a causal "
                 "LM's sequence: give example_inputs={'input_ids': ..., 'labels': ...}"
@@ -140,8 +170,9 @@ class SplitContext(Pass):
         key = register_layout(layout)
         name = register_implementation(key)
         _own_config(model, config, name)
-        args, kwargs = local_example(layout, example.args, example.kwargs)
-        program.example = ExampleInputs(args, kwargs)
+        if example is not None:  # without one, calls are checked and captured as they come
+            args, kwargs = local_example(layout, example.args, example.kwargs)
+            program.example = ExampleInputs(args, kwargs)
         windows = {
             path: int(w)
             for path, module in found.items()
@@ -160,10 +191,10 @@ class SplitContext(Pass):
             attention_modules=tuple(found),
             sliding_windows=windows,
             sequence=length,
-            per_rank_sequence=length // size,
+            per_rank_sequence=length // size if length else 0,
             data_parallel=world // size,
         )
-        stats = {"attention_modules": len(found), "size": size, "per_rank_sequence": length // size}
+        stats = {"attention_modules": len(found), "size": size, "sequence": length}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
 
 

@@ -106,6 +106,16 @@ _HYBRID = {"dp_replicate_size": 2, "dp_shard_size": 2}
         (_HYBRID, _ZERO2, "hsdp[replicate=2,reshard=false,shard=2]+bf16+ac"),
         # tp alone: sharded checkpoints are what tp writes anyway, so that option is accepted
         ({"tp_size": 2, "dp_shard_size": 1}, _SHARDED, "tp[size=2]+bf16+ac"),
+        (
+            {"dp_shard_size": 2, "cp_size": 2},
+            _SHARDED,
+            "fsdp[state_dict=sharded]+cp[size=2]+bf16+ac",
+        ),
+        (
+            {"cp_size": 2, "cp_comm_strategy": "allgather"},
+            "",
+            "fsdp+cp[attention=allgather,size=2]+bf16+ac",
+        ),
     ],
 )  # fmt: skip
 def test_yaml_parallelism_config_lays_out_the_fsdp_strategy(tmp_path, sizes, fsdp, target):

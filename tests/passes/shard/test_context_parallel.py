@@ -59,6 +59,11 @@ def build(name: str) -> torch.nn.Module:
     return model.train()
 
 
+def mistral() -> torch.nn.Module:
+    """For `retarget inspect tests.passes.shard.test_context_parallel:mistral`."""
+    return build("mistral")
+
+
 def batch(seed: int = 1, rows: int = ROWS) -> dict[str, torch.Tensor]:
     ids = torch.randint(1, zoo.VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids.clone()}
@@ -229,6 +234,31 @@ def test_plan_for_two_ranks_and_the_users_model_untouched():
         compiled(**batch())
 
 
+def test_memory_estimate_counts_one_ranks_share_of_the_sequence():
+    from retarget.report.memory_estimate import estimate_memory
+
+    sizes = {}
+    for target in ("ddp", "ddp+cp", "ddp+cp[attention=ulysses]"):
+        compiled = retarget.compile_for(
+            build("llama"), target, example_inputs=batch(), world_size=2
+        )
+        sizes[target] = sum(estimate_memory(compiled).activations.values())
+    assert sizes["ddp+cp"] <= 0.6 * sizes["ddp"]
+    assert sizes["ddp+cp[attention=ulysses]"] <= 0.6 * sizes["ddp"]
+
+
+def test_inspect_shows_which_attention_calls_are_split(capsys):
+    from retarget.cli.main import main
+
+    module = "tests.passes.shard.test_context_parallel"
+    argv = ["inspect", f"{module}:mistral", "--inputs", f"{module}:batch", "--world-size", "4"]
+    assert main([*argv, "--target", "fsdp+cp[size=2,attention=allgather]"]) == 0
+    out = capsys.readouterr().out
+    assert "cp[size=2] (allgather attention, zig-zag chunks): 2 attention modules split" in out
+    assert "a sequence of 64 is 32 positions per rank; 2 data-parallel group(s)" in out
+    assert "model.layers.1.self_attn  allgather over 2 ranks  24" in out
+
+
 @pytest.mark.parametrize(
     ("target", "data", "message"),
     [
@@ -258,6 +288,24 @@ def test_refused_without_a_strategy_and_beside_tp():
         retarget.compile_for(build("llama"), "fsdp+tp+cp", example_inputs=batch(), world_size=4)
 
 
+def test_a_convolution_over_time_is_refused_naming_it():
+    import transformers as tf
+
+    config = tf.Lfm2Config(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
+    with pytest.raises(TargetNotSupportedError, match=r"model.layers.0.conv: Lfm2ShortConv mixes"):
+        retarget.compile_for(
+            tf.Lfm2ForCausalLM(config), "ddp+cp", example_inputs=batch(), world_size=2
+        )
+
+
 def test_models_outside_transformers_and_padding_are_refused():
     from retarget.execution.context.attention import ContextLayout
     from retarget.execution.context.batch import split_call
@@ -281,3 +329,5 @@ def test_models_outside_transformers_and_padding_are_refused():
     mask[0, -3:] = 0
     with pytest.raises(ValueError, match="pads or masks positions"):
         split_call(layout, (), {**data, "attention_mask": mask})
+    with pytest.raises(ValueError, match=r"sequence of 1 positions does not split into 4.*unwrap"):
+        split_call(layout, (), {"input_ids": torch.ones(1, 1, dtype=torch.long)})
