@@ -49,7 +49,7 @@ _TP_CONFLICTS = {
 _CP_COMPOSES = (
     "context parallelism runs beside ddp, fsdp, zero2 or zero3, which average gradients over "
     "every rank, data- and context-parallel alike (Accelerate's dp_shard x cp), with bf16, "
-    "fp16 and ac"
+    "fp16, ac and compile"
 )
 #: The parts cp does not combine with yet, and why.
 _CP_CONFLICTS = {
@@ -59,8 +59,6 @@ _CP_CONFLICTS = {
     "hsdp": f"'hsdp' and 'cp' do not combine yet (a 3-D mesh is not implemented); {_CP_COMPOSES}",
     "zero1": f"'zero1' and 'cp' do not combine yet; {_CP_COMPOSES}",
     "xla": f"'xla' and 'cp' do not combine: XLA partitions the program itself; {_CP_COMPOSES}",
-    "compile": "'compile' and 'cp' do not combine yet: the split attention's collectives run "
-    "in an opaque op that torch.compile has not been tested around; drop compile",
     "fp8": f"'fp8' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
     "quant": f"'quant' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
     "offload": f"'offload' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",

@@ -378,7 +378,8 @@ def context_attention(
     """Attention of this rank's queries over the whole sequence: (output, lse [B, H, L]; lse
     in float32, float64 for float64 inputs)."""
     out, lse = _forward(q, k, v, scale, causal, window, layout_of(layout))
-    return out.to(q.dtype), lse
+    # Dense outputs, as the fake implementation promises (a compiled graph relies on strides).
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @context_attention.register_fake
@@ -402,7 +403,8 @@ def context_attention_backward(
     layout: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, window, layout_of(layout))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # In the layout of q, k and v (their strides), as the fake implementation promises.
+    return tuple(torch.empty_like(x).copy_(g) for x, g in ((q, dq), (k, dk), (v, dv)))
 
 
 @context_attention_backward.register_fake

@@ -96,6 +96,10 @@ def _agreement(
         compiled = retarget.compile_for(build(name), target, example_inputs=data)
         loss = compiled(**data).loss
         loss.backward()
+        if "compile" in target:  # one compile per block type, no recompile, no fallback
+            (region,) = compiled.program.regions
+            summary = region.runner.summary()
+            assert (summary["compiles"], summary["recompiles"], summary["fallback"]) == (1, 0, "")
         out.append(
             (
                 f"{name} {target}",
@@ -110,6 +114,10 @@ CASES_2 = [
     (name, f"ddp+cp[{options}]")
     for name in ("llama", "qwen2", "mistral")
     for options in ("attention=ring", "attention=allgather,load_balance=false", "attention=ulysses")
+] + [
+    # Each block region compiled with the split attention as one opaque op in its graph.
+    ("llama", "ddp+cp+compile[backend=aot_eager]"),
+    ("mistral", "fsdp+cp[attention=ulysses]+compile[backend=aot_eager]"),
 ]
 
 
@@ -121,24 +129,32 @@ def test_two_ranks_equal_one_process_for_each_attention():
             assert grad_error < 1e-4, case
 
 
-def _bf16(rank: int, world: int) -> tuple[float, float]:
-    data = batch()
-    reference = build("llama")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = reference(**data).loss
-    expected.backward()
-    compiled = retarget.compile_for(build("llama"), "ddp+cp+bf16+ac", example_inputs=data)
-    loss = compiled(**data).loss
-    compiled.runtime.backward(loss)
-    return abs(float(loss) - float(expected)) / abs(float(expected)), gradient_error(
-        compiled, reference
-    )
+def _low_precision(rank: int, world: int) -> dict[str, tuple[float, float]]:
+    """bf16+ac and fp16 against one process under the same autocast (fp16: loss.backward()
+    itself, so the gradients are not scaled)."""
+    out = {}
+    for precision, dtype in (("bf16+ac", torch.bfloat16), ("fp16", torch.float16)):
+        data = batch()
+        reference = build("llama")
+        with torch.autocast("cpu", dtype=dtype):
+            expected = reference(**data).loss
+        expected.backward()
+        compiled = retarget.compile_for(build("llama"), f"ddp+cp+{precision}", example_inputs=data)
+        loss = compiled(**data).loss
+        loss.backward() if precision == "fp16" else compiled.runtime.backward(loss)
+        error = abs(float(loss) - float(expected)) / abs(float(expected))
+        out[precision] = (error, gradient_error(compiled, reference))
+    return out
 
 
-def _training(rank: int, world: int, steps: int) -> tuple[list[float], list[float]]:
+def _training(rank: int, world: int, steps: int) -> dict[str, tuple[list[float], list[float]]]:
+    return {name: _train(name, steps) for name in ("llama", "qwen2", "mistral")}
+
+
+def _train(name: str, steps: int) -> tuple[list[float], list[float]]:
     """SGD steps through the runtime; each step a new batch (every cp rank the same one)."""
-    reference = build("llama")
-    compiled = retarget.compile_for(build("llama"), "ddp+cp", example_inputs=batch())
+    reference = build(name)
+    compiled = retarget.compile_for(build(name), "ddp+cp", example_inputs=batch())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = compiled.runtime.prepare(torch.optim.SGD(compiled.parameters(), lr=0.1))
     ours, theirs = [], []
@@ -158,26 +174,31 @@ def _training(rank: int, world: int, steps: int) -> tuple[list[float], list[floa
 
 
 @pytest.mark.distributed
-def test_two_ranks_bf16_ac_and_twenty_steps():
-    bf16 = run_ranks(_bf16, 2)
-    for loss_error, grad_error in bf16:
-        # bf16 autocast against bf16 autocast: the split attention runs in float32 where
-        # the whole-sequence attention ran in bf16, so they agree to bf16's rounding.
-        assert loss_error < 2e-2
-        assert grad_error < 1e-1
-    for ours, theirs in run_ranks(_training, 2, 20):
-        assert theirs[-1] < theirs[0]
-        for a, b in zip(ours, theirs, strict=True):
-            assert abs(a - b) <= 1e-4 * abs(b)
+def test_two_ranks_bf16_ac_fp16_and_twenty_steps():
+    for by_precision in run_ranks(_low_precision, 2):
+        for precision, (loss_error, grad_error) in by_precision.items():
+            # Autocast against autocast: the split attention runs in float32 where the
+            # whole-sequence attention ran in 16 bits, so they agree to 16-bit rounding.
+            assert loss_error < 2e-2, precision
+            assert grad_error < 1e-1, precision
+    for by_model in run_ranks(_training, 2, 20, timeout=400):
+        for name, (ours, theirs) in by_model.items():
+            assert theirs[-1] < theirs[0], name
+            for a, b in zip(ours, theirs, strict=True):
+                assert abs(a - b) <= 1e-4 * abs(b), name
 
 
-def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+def _four_ranks(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {name: _on_four(name) for name in ("llama", "qwen2", "mistral")}
+
+
+def _on_four(name: str) -> dict[str, Any]:
     """fsdp+cp[size=2] on (dp 2, cp 2): dp group d reads batch d; the reference reads both."""
     both = batch(rows=2 * ROWS)
-    reference = build("llama")
+    reference = build(name)
     expected = reference(**both).loss
     expected.backward()
-    compiled = retarget.compile_for(build("llama"), "fsdp+cp[size=2]", example_inputs=batch())
+    compiled = retarget.compile_for(build(name), "fsdp+cp[size=2]", example_inputs=batch())
     run = compiled.runtime
     dp = run.data_parallel_rank
     mine = {k: v[dp * ROWS : (dp + 1) * ROWS] for k, v in both.items()}
@@ -196,15 +217,17 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_four_ranks_fsdp_cp_mesh():
-    results = run_ranks(_four_ranks, 4, timeout=300)
-    assert [r["dp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    for r in results:
-        assert r["loss_error"] < 1e-5
-        assert r["grad_error"] < 1e-4
-    # The ranks of a cp group read the same batches; the two dp groups split the loader.
-    assert results[0]["seen"] == results[1]["seen"]
-    assert results[2]["seen"] == results[3]["seen"]
-    assert sorted(results[0]["seen"] + results[2]["seen"]) == list(range(8))
+    by_rank = run_ranks(_four_ranks, 4, timeout=600)
+    for name in ("llama", "qwen2", "mistral"):
+        results = [r[name] for r in by_rank]
+        assert [r["dp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+        for r in results:
+            assert r["loss_error"] < 1e-5, name
+            assert r["grad_error"] < 1e-4, name
+        # The ranks of a cp group read the same batches; the two dp groups split the loader.
+        assert results[0]["seen"] == results[1]["seen"]
+        assert results[2]["seen"] == results[3]["seen"]
+        assert sorted(results[0]["seen"] + results[2]["seen"]) == list(range(8))
 
 
 # -- one process: the plan, refusals --------------------------------------------------------
