@@ -50,6 +50,8 @@ class ContextLayout:
     mode: str
     balanced: bool
     group: dist.ProcessGroup | None = None
+    causal: bool = True
+    """Whether every attention the layout serves is causal (right padding is then harmless)."""
 
     def chunks(self, length: int) -> int:
         """How many equal chunks a sequence of `length` positions is cut into."""

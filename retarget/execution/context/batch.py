@@ -9,7 +9,10 @@ embeddings see where each token sits:
   position belongs to another rank), handed to the model as `shift_labels` (transformers'
   loss takes them as they are), and `num_items_in_batch` is the whole sequence's count of
   labels, so each rank's loss is its share of the whole sequence's mean;
-- an all-ones attention_mask is dropped (nothing is padded); a padded one is refused;
+- an attention_mask is dropped when it pads nothing, or pads only on the right of each row
+  under causal attention (a real token never attends a later position, so it never meets
+  the pads; the pads' own rows differ, which is why their labels must be -100, as
+  transformers' collators write them); left padding and other masks are refused;
 - use_cache is off (a training forward has no use for a cache of one shard).
 
 `whole_loss` turns a rank's share into the whole loss: its value is the sum of the shares over
@@ -72,13 +75,7 @@ def split_call(
             kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]
     device = next(t.device for t in kwargs.values() if isinstance(t, Tensor))
     mine = mine.to(device)
-    mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not (mask.ndim == 2 and bool(mask.all())):
-        raise ValueError(
-            f"cp: attention_mask of shape {tuple(mask.shape)} pads or masks positions; context "
-            "parallelism builds its masks from positions and takes no padding: pack the "
-            "sequences to one length without padding, or drop the mask"
-        )
+    _check_padding(layout, kwargs.pop("attention_mask", None), kwargs.get("labels"))
     positions = kwargs.get("position_ids")
     kwargs["position_ids"] = positions[..., mine] if positions is not None else mine[None, :]
     shifted = kwargs.get("shift_labels")
@@ -90,6 +87,29 @@ def split_call(
         kwargs["shift_labels"] = kwargs["labels"] = shifted[:, mine]
     kwargs["use_cache"] = False
     return (), kwargs
+
+
+def _check_padding(layout: ContextLayout, mask: Tensor | None, labels: Tensor | None) -> None:
+    """Accept a mask the split attention can drop (see the module docstring), else refuse."""
+    if mask is None or (mask.ndim == 2 and bool(mask.all())):
+        return
+    where = f"cp: attention_mask of shape {tuple(mask.shape)}"
+    keep = mask.to(torch.int32) if mask.ndim == 2 else None
+    right_padded = keep is not None and bool((keep[:, 1:] <= keep[:, :-1]).all())
+    if not (right_padded and layout.causal):
+        why = "pads on the left or masks inside a row" if keep is not None else "is not 2-D"
+        if keep is not None and right_padded:
+            why = "pads a model whose attention is not causal"
+        raise ValueError(
+            f"{where} {why}; context parallelism builds its masks from positions and takes "
+            "right padding only (causal attention): pad on the right, or pack the sequences"
+        )
+    if labels is not None and bool((labels[keep == 0] != IGNORE).any()):
+        raise ValueError(
+            f"{where} pads positions whose labels are not {IGNORE}; under cp the pads' rows "
+            f"are not masked, so their labels must be {IGNORE} (as transformers' collators "
+            "write them)"
+        )
 
 
 def whole_loss(layout: ContextLayout, share: Tensor) -> Tensor:

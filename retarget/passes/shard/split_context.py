@@ -158,7 +158,11 @@ class SplitContext(Pass):
             )
         rank = (launch_environment().rank or 0) % size if world > 1 else 0
         layout = ContextLayout(
-            size=size, rank=rank, mode=options.attention, balanced=options.load_balance
+            size=size,
+            rank=rank,
+            mode=options.attention,
+            balanced=options.load_balance,
+            causal=all(getattr(m, "is_causal", True) for m in found.values()),
         )
         chunks = layout.chunks(length)
         if length % chunks:

@@ -84,12 +84,20 @@ def gradient_error(compiled: torch.nn.Module, reference: torch.nn.Module) -> flo
     return worst
 
 
+def padded(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rows right-padded as transformers' collators pad them: mask 0 and labels -100 there."""
+    mask = torch.ones_like(data["input_ids"])
+    mask[0, 40:], mask[1, 57:] = 0, 0
+    return {**data, "attention_mask": mask, "labels": data["labels"].masked_fill(mask == 0, -100)}
+
+
 def _agreement(
     rank: int, world: int, cases: list[tuple[str, str]]
 ) -> list[tuple[str, float, float]]:
     out = []
-    data = batch()
-    for name, target in cases:
+    for case, target in cases:
+        name = case.removesuffix(" padded")
+        data = padded(batch()) if case != name else batch()
         reference = build(name)
         expected = reference(**data).loss
         expected.backward()
@@ -102,7 +110,7 @@ def _agreement(
             assert (summary["compiles"], summary["recompiles"], summary["fallback"]) == (1, 0, "")
         out.append(
             (
-                f"{name} {target}",
+                f"{case} {target}",
                 abs(float(loss) - float(expected)) / abs(float(expected)),
                 gradient_error(compiled, reference),
             )
@@ -115,6 +123,9 @@ CASES_2 = [
     for name in ("llama", "qwen2", "mistral")
     for options in ("attention=ring", "attention=allgather,load_balance=false", "attention=ulysses")
 ] + [
+    # Right padding with the attention mask one process uses, pads labelled -100.
+    ("llama padded", "ddp+cp"),
+    ("mistral padded", "ddp+cp[attention=ulysses]"),
     # Each block region compiled with the split attention as one opaque op in its graph.
     ("llama", "ddp+cp+compile[backend=aot_eager]"),
     ("mistral", "fsdp+cp[attention=ulysses]+compile[backend=aot_eager]"),
@@ -349,8 +360,18 @@ def test_models_outside_transformers_and_padding_are_refused():
     shifted = torch.cat([data["labels"][:, 1:], torch.full((ROWS, 1), -100)], dim=1)
     assert torch.equal(kwargs["shift_labels"], shifted[:, kwargs["position_ids"][0]])
     assert kwargs["num_items_in_batch"] == ROWS * (SEQ - 1)
-    mask[0, -3:] = 0
-    with pytest.raises(ValueError, match="pads or masks positions"):
+    mask[0, -3:] = 0  # right padding: dropped once the pads' labels are -100
+    with pytest.raises(ValueError, match="pads positions whose labels are not -100"):
         split_call(layout, (), {**data, "attention_mask": mask})
+    labels = data["labels"].masked_fill(mask == 0, -100)
+    _, kwargs = split_call(layout, (), {**data, "labels": labels, "attention_mask": mask})
+    assert "attention_mask" not in kwargs
+    left = torch.ones_like(mask)
+    left[1, :4] = 0
+    with pytest.raises(ValueError, match="pads on the left or masks inside a row"):
+        split_call(layout, (), {**data, "attention_mask": left})
+    bidirectional = ContextLayout(size=2, rank=1, mode="ring", balanced=True, causal=False)
+    with pytest.raises(ValueError, match="pads a model whose attention is not causal"):
+        split_call(bidirectional, (), {**data, "labels": labels, "attention_mask": mask})
     with pytest.raises(ValueError, match=r"sequence of 1 positions does not split into 4.*unwrap"):
         split_call(layout, (), {"input_ids": torch.ones(1, 1, dtype=torch.long)})
