@@ -200,6 +200,26 @@ def _cp_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _pp_rows(d: dict) -> list[Row]:
+    rows, group = [], "pipeline parallelism"
+    plan = d.get("plan", {})
+    for label, key in (
+        ("Llama-2-7B shapes", "imbalance, Llama-2-7B shapes"),
+        ("measured h512", "imbalance, measured (h512, vocab 1024)"),
+    ):
+        for layers, ratio in plan.get(key, {}).items():
+            rows.append(
+                (group, f"stage imbalance, 4 stages, {layers} layers ({label})", f"{ratio:.2f}")
+            )
+    time = d.get("time", {})
+    for schedule, ratio in time.get("step / one process", {}).items():
+        ideal = time.get("ideal step / one process")
+        rows.append(
+            (group, f"{schedule} step / one process, 2 ranks (ideal {ideal})", f"{ratio:.2f}x")
+        )
+    return rows
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -246,6 +266,12 @@ SUITES: dict[str, Suite] = {
             file="test_context_parallel.py",
             results="context_parallel.json",
             rows=_cp_rows,
+        ),
+        Suite(
+            name="pp",
+            file="test_pipeline_parallel.py",
+            results="pipeline_parallel.json",
+            rows=_pp_rows,
         ),
         Suite(
             name="startup",

@@ -353,6 +353,53 @@ class CpPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PpStage:
+    """One pipeline stage: the repeated blocks it runs (and the glue before or after them)."""
+
+    index: int
+    blocks: tuple[str, ...]
+    """Paths of its repeated blocks, in order; the first stage also runs the glue before the
+    blocks (embeddings), the last the glue after them (final norm, head, loss)."""
+    cost: int
+    """Estimated forward FLOPs of the stage (its blocks', plus the head's on the last)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PpPlan:
+    """Pipeline parallelism (`pp[...]`): contiguous runs of the repeated blocks, one stage per
+    rank, balanced by FLOPs; torch.distributed.pipelining runs the schedule."""
+
+    size: int
+    schedule: str
+    microbatches: int
+    stages: tuple[PpStage, ...]
+    split_points: tuple[str, ...] = ()
+    """The block each stage after the first begins with (torch's SplitPoint.BEGINNING)."""
+    microbatch_rows: int = 0
+    """Rows per microbatch of the example batch (every batch must have this many rows x M)."""
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of a step for the schedule: (p - 1) / (m + p - 1)."""
+        return (self.size - 1) / (self.microbatches + self.size - 1)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest stage cost over the mean stage cost (1.0: perfectly balanced)."""
+        costs = [s.cost for s in self.stages]
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean else 1.0
+
+    def describe(self) -> str:
+        return (
+            f"pp[size={self.size}] ({self.schedule}, {self.microbatches} microbatches): "
+            f"{len(self.stages)} stages of {', '.join(str(len(s.blocks)) for s in self.stages)} "
+            f"blocks; imbalance (max / mean stage FLOPs) {self.imbalance:.2f}; bubble "
+            f"{self.bubble:.0%}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class AppliedPlan:
     """What apply_plan did in this process."""
 
@@ -380,6 +427,7 @@ class Plan:
     xla: XlaPlan | None = None
     tp: TpPlan | None = None
     cp: CpPlan | None = None
+    pp: PpPlan | None = None
     applied: AppliedPlan | None = None
 
     @property

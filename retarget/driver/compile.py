@@ -217,8 +217,10 @@ def _resolve_target(target: str | Target | None, world_size: int | None) -> Targ
     target = parse_target(target)
     env = launch_environment()
     processes = env.world_size if env.rank is not None else 1
-    # tp distributes by itself (tp alone fills the world with one tp group).
-    strategies = [n for n in target.names if (n in STRATEGIES and n != "single") or n == "tp"]
+    # tp and pp distribute by themselves (alone, each fills the world with one group).
+    strategies = [
+        n for n in target.names if (n in STRATEGIES and n != "single") or n in ("tp", "pp")
+    ]
     if world_size is None and processes > 1 and not strategies:
         raise TargetError(
             f"target '{target}' trains on one process, but this run has {processes} processes "

@@ -70,12 +70,16 @@ class Applied:
     """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
     context_mesh: Any = None
     """Under cp: the (dp, cp) mesh (DDP or FSDP2 span every rank; loaders divide over dp)."""
+    pipeline: Any = None
+    """Under pp (kind "pp"): the PipelineRun (this rank's stage and the schedule)."""
 
     def data_state(self) -> ProcessState:
         """This process as data parallelism sees it: under tp, rank, world and process group
         of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
         gather_for_metrics gathers over dp), and likewise under cp; otherwise the process
         itself."""
+        if self.pipeline is not None:  # pp alone: every stage reads the same batches
+            return dataclasses.replace(self.state, rank=0, world_size=1)
         if self.context_mesh is not None:
             dp = self.context_mesh["dp"]
             return dataclasses.replace(
@@ -115,7 +119,7 @@ def apply_plan(program: Program) -> None:
 def _apply(program: Program) -> None:
     plan = program.plan
     record = plan.distribution
-    if record is None and plan.tp is None:
+    if record is None and plan.tp is None and plan.pp is None:
         return
     state = ProcessState.current()
     planned = program.world.size
@@ -140,7 +144,9 @@ def _apply(program: Program) -> None:
     module = program.module
     if state.device.type != "cpu":
         module.to(state.device)
-    if plan.tp is not None:
+    if plan.pp is not None:
+        applied = _apply_pp(program, state)
+    elif plan.tp is not None:
         applied = _apply_tp(program, state)
     elif plan.ddp is not None:
         applied = _apply_ddp(program, state)
@@ -168,6 +174,9 @@ def _wrapped(applied: Applied) -> str:
 
 
 def _wrapper_of(applied: Applied) -> str:
+    if applied.kind == "pp":
+        plan = applied.pipeline.plan
+        return f"pipeline stage {applied.state.rank} of {plan.size} ({plan.schedule})"
     if applied.kind == "tp":
         mesh = tuple(applied.mesh.shape)
         return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"
@@ -219,6 +228,20 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 
 
 # -- FSDP2 -----------------------------------------------------------------------------------
+
+
+# -- pipeline parallel -----------------------------------------------------------------------
+
+
+def _apply_pp(program: Program, state: ProcessState) -> Applied:
+    """This rank's pipeline stage (execution.pipeline_stages); the model's weights stay whole."""
+    from retarget.execution.pipeline_stages import apply_pipeline
+
+    example = program.example
+    ids = example.kwargs.get("input_ids", example.args[0] if example.args else None)
+    broadcast_module_states(program.module)  # every stage starts from rank 0's weights
+    run = apply_pipeline(program.module, program.original, program.plan.pp, ids, state)
+    return Applied("pp", state, pipeline=run)
 
 
 # -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------

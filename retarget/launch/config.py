@@ -199,7 +199,7 @@ def read_settings(values: Mapping[str, Any], where: Callable[[str], str]) -> Lau
 # ------------------------------------------------------------------------------ rules
 def runs_one_process(target: Target) -> bool:
     """Whether the target has no distribution part (it trains in a world of one)."""
-    return target.strategy == "single" and "tp" not in target
+    return target.strategy == "single" and "tp" not in target and "pp" not in target
 
 
 def check_combination(config: LaunchConfig) -> None:

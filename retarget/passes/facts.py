@@ -98,6 +98,11 @@ def context_planned(p: Program) -> bool:
     return p.plan.cp is not None
 
 
+def pipeline_planned(p: Program) -> bool:
+    """plan.pp holds the stages, each a contiguous run of the repeated blocks"""
+    return p.plan.pp is not None and all(s.blocks for s in p.plan.pp.stages)
+
+
 def comm_hook_planned(p: Program) -> bool:
     """plan.comm_hook holds the hook DDP installs"""
     return p.plan.comm_hook is not None
@@ -112,8 +117,9 @@ def regions_compiled(p: Program) -> bool:
 
 
 def plan_applied(p: Program) -> bool:
-    """a distribution plan (ddp, fsdp, tp) has its applied record: applied, or why not"""
-    return (p.plan.distribution is None and p.plan.tp is None) or p.plan.applied is not None
+    """a distribution plan (ddp, fsdp, tp, pp) has its applied record: applied, or why not"""
+    nothing = p.plan.distribution is None and p.plan.tp is None and p.plan.pp is None
+    return nothing or p.plan.applied is not None
 
 
 def stream_planned(p: Program) -> bool:
@@ -144,6 +150,7 @@ FACTS: dict[str, Fact] = {
     "fsdp": fsdp_planned,
     "tp": tp_planned,
     "context": context_planned,
+    "pipeline": pipeline_planned,
     "comm_hook": comm_hook_planned,
     "compiled": regions_compiled,
     "stream": stream_planned,

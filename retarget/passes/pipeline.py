@@ -31,6 +31,7 @@ from retarget.passes.shard.shard_ddp import ShardDdp
 from retarget.passes.shard.shard_fsdp import ShardFsdp
 from retarget.passes.shard.shard_tp import ShardTp
 from retarget.passes.shard.split_context import SplitContext
+from retarget.passes.shard.split_stages import SplitStages
 from retarget.passes.shard.zero1 import ShardOptimizerState
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
@@ -79,6 +80,9 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # fsdp/zero2/zero3/hsdp(+offload): FSDP2 units per repeated block plus the root, mixed
     # precision policy from bf16/fp16. Last rewrite of modules, like ddp, for the same reason.
     (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),
+    # pp: the repeated blocks cut into stages, balanced by FLOPs (requires shapes). Runs
+    # alone so far (spec/rules.py), so its place among the distribution decisions is free.
+    (frozenset({"pp"}), SplitStages),
     # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
     (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
     # xla: where each parameter lives on the XLA devices (SPMD shards or one device). After

@@ -6,7 +6,16 @@ itself (`to_dict()["plan"]`, from `Plan.to_dict()`).
 
 from __future__ import annotations
 
-from retarget.core.plans import AppliedPlan, CpPlan, DdpPlan, FsdpPlan, Plan, StreamPlan, TpPlan
+from retarget.core.plans import (
+    AppliedPlan,
+    CpPlan,
+    DdpPlan,
+    FsdpPlan,
+    Plan,
+    PpPlan,
+    StreamPlan,
+    TpPlan,
+)
 
 _SHOWN_RANKS = 8
 _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
@@ -15,6 +24,9 @@ _DDP_FLAGS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view
 def plan_lines(plan: Plan) -> list[str]:
     """Lines for the text report; [] when the plan has nothing about distribution or streaming."""
     record = plan.distribution
+    if record is None and plan.pp is not None:
+        head = f"distribution plan: pp over {plan.pp.size} processes; {_applied(plan.applied)}"
+        return ["", head, *_pp_lines(plan.pp)]
     if record is None and plan.tp is not None:
         head = f"distribution plan: tp over {plan.tp.size} processes; {_applied(plan.applied)}"
         return ["", head, *_tp_lines(plan.tp)]
@@ -42,6 +54,21 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.cp is not None:
         lines += _cp_lines(plan.cp)
     return lines
+
+
+def _pp_lines(plan: PpPlan) -> list[str]:
+    lines = [f"  {plan.describe()}"]
+    rows = [("stage", "blocks", "est. GFLOPs", "also")]
+    for stage in plan.stages:
+        span = (
+            f"{stage.blocks[0]} .. {stage.blocks[-1]}" if len(stage.blocks) > 1 else stage.blocks[0]
+        )
+        also = "embeddings" if stage.index == 0 else ""
+        also = "final norm, head, loss" if stage.index == plan.size - 1 else also
+        rows.append(
+            (str(stage.index), f"{span} ({len(stage.blocks)})", f"{stage.cost / 1e9:.3f}", also)
+        )
+    return lines + _table(rows)
 
 
 def _cp_lines(plan: CpPlan) -> list[str]:

@@ -275,6 +275,24 @@ class Runtime(ProcessStateFacade):
         with gradient_sync(self.applied, sync=False):
             yield
 
+    def forward_backward(self, batch: dict[str, Any]) -> torch.Tensor:
+        """One training call for every target: forward and backward of `batch` (keyword
+        arguments of the model, with labels), gradients left in the parameters; returns the
+        batch's mean loss (detached), the same on every rank of a pipeline. Under pp it runs
+        the whole schedule (every rank calls it with the same batch); otherwise it is
+        `loss = model(**batch).loss; runtime.backward(loss)`."""
+        applied = self.applied
+        if applied is not None and applied.pipeline is not None:
+            if self._window is not None:
+                raise NotImplementedError(
+                    "pp: accumulate() around forward_backward is not supported yet; raise "
+                    "pp[microbatches=...] instead (the schedule averages its microbatches)"
+                )
+            return applied.pipeline.forward_backward(batch)
+        loss = self.model(**batch).loss
+        self.backward(loss)
+        return loss.detach()
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()` with the target's loss scaling and the accumulation average."""
         window = self._window

@@ -63,6 +63,12 @@ _CP_CONFLICTS = {
     "quant": f"'quant' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
     "offload": f"'offload' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
 }
+#: Parts pp combines with (none yet: pipeline parallelism runs alone, in float32).
+_PP_ALONE = (
+    "pipeline parallelism runs alone so far (pp[size] = the number of processes, float32): "
+    "its stages are torch.distributed.pipelining's split of the exported model, which the "
+    "other passes do not rewrite yet"
+)
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {
     **{
@@ -107,6 +113,7 @@ CONFLICTS: dict[frozenset[str], str] = {
 }
 #: Parts that combine only with the listed ones.
 ONLY_WITH = {
+    "pp": ((), _PP_ALONE),
     "xla": (
         ("bf16",),
         "XLA compiles and distributes the whole step itself (xla[sharding=fsdp] shards the "
@@ -183,7 +190,8 @@ NAME_HINTS = dict(
     " checkpoint:ac activation_checkpointing:ac dynamo:compile torch_compile:compile"
     " cpu_offload:offload tensor_parallel:tp hybrid_shard:hsdp dp:ddp no:single none:single"
     " qlora:quant bnb:quant bitsandbytes:quant nf4:quant int8:quant int4:quant"
-    " quantize:quant context_parallel:cp ring_attention:cp ulysses:cp sp:cp".split()
+    " quantize:quant pipeline:pp pipeline_parallel:pp pippy:pp context_parallel:cp"
+    " ring_attention:cp ulysses:cp sp:cp".split()
 )
 
 

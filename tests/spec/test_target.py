@@ -55,6 +55,7 @@ NON_DEFAULT = [
     "fsdp+tp[loss_parallel=true,plan=pkg.plans:LLAMA_PLAN,sequence_parallel=true,size=4]",
     "tp[plan=hf]",
     "fsdp+cp[attention=ulysses,load_balance=false,size=2]",
+    "pp[microbatches=4,schedule=gpipe,size=2,stages_per_rank=1]",
     "xla[spmd=false]+bf16[autocast_eval=false,downcast=true,keep_fp32=cumsum|exp]",
     "xla[sharding=replicate]",
     "fp16[autocast_eval=false,backoff_factor=0.25,growth_factor=4.0,growth_interval=100,"
@@ -215,8 +216,8 @@ ERRORS = [
         "xyzzy",
         "xyzzy",
         "unknown target part 'xyzzy'; expected one of: single, ddp, fsdp, zero1, zero2, zero3, "
-        "hsdp, tp, cp, xla, bf16, fp16, fp8, quant, ac, offload, compile, powersgd, fp16-comm, "
-        "bf16-comm, stream",
+        "hsdp, tp, cp, pp, xla, bf16, fp16, fp8, quant, ac, offload, compile, powersgd, "
+        "fp16-comm, bf16-comm, stream",
     ),
     # unknown options
     (

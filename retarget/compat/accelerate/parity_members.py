@@ -127,7 +127,12 @@ class ParityMembers:
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        raise NotImplementedError("pipeline_parallel_rank: pipeline parallelism is not supported")
+        """The stage this process runs under a pp target (pp runs alone: the process index)."""
+        if self.target.get("pp") is None:
+            raise RuntimeError(
+                "pipeline_parallel_rank: the target has no pipeline parallelism (pp[size=N])"
+            )
+        return self.process_index
 
     @contextlib.contextmanager
     def maybe_context_parallel(

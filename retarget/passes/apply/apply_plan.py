@@ -26,7 +26,7 @@ from retarget.spec.grammar import Target
 from retarget.spec.strategies import STRATEGIES
 
 #: Target parts whose decisions this stage carries out (fp16: the step guard for its scaler).
-APPLIED_PARTS = frozenset({*STRATEGIES, "tp", "offload", "fp16"} - {"single"})
+APPLIED_PARTS = frozenset({*STRATEGIES, "tp", "pp", "offload", "fp16"} - {"single"})
 
 
 class ApplyPlan(Pass):

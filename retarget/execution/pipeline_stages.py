@@ -1,0 +1,134 @@
+"""Pipeline parallelism applied: this rank's stage of the model and torch's schedule over it.
+
+apply_plan calls `apply_pipeline` with `plan.pp` (passes/shard/split_stages.py). The stages are
+torch.distributed.pipelining's own: `pipeline()` exports the user's model (its logits for
+`input_ids`) on one microbatch of the example and splits it before the block each later stage
+begins with (`SplitPoint.BEGINNING`); `Pipe.build_stage` gives this rank its `PipelineStage`,
+whose parameters are the model's own Parameter objects (the compiled model shares them), so an
+optimizer built on `compiled.parameters()` steps this stage's weights and skips the others
+(they get no gradient here). The schedule (GPipe or 1F1B) cuts each batch into the planned
+microbatches, runs forward and backward, computes transformers' loss from the last stage's
+logits and averages the microbatches' gradients.
+
+Two stages only, so far: torch 2.13's stages treat every floating-point value a stage sends as
+an activation that needs a gradient, and refuse one read by two later stages ("backward of
+skip connections not supported yet"); a transformers decoder computes its rotary cos/sin and
+causal mask once, before the first block, and hands them to every block, so with three stages
+or more the first would send them to two. `apply_pipeline` refuses that before anything runs
+(the plan for more stages is still made and printed). Recomputing those input-independent
+values inside each stage, by a split of our own, is the way past it (not done yet).
+
+`PipelineRun.forward_backward(batch)` is the training call (`compiled.runtime.forward_backward`):
+every rank calls it with the same batch; it returns the batch's mean loss on every rank (the
+last stage's, broadcast). A plain call of the compiled model would run one stage: it is
+refused, naming forward_backward and unwrap().
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from retarget.core.errors import TargetNotSupportedError
+from retarget.core.plans import PpPlan
+from retarget.core.slots import OUTER_FORWARD
+
+
+class _Logits(nn.Module):
+    """What the stages split: the model's logits for `input_ids` (the loss is the schedule's)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class PipelineRun:
+    """This rank's stage and the schedule that drives it."""
+
+    def __init__(self, plan: PpPlan, schedule: Any, rank: int, group: Any):
+        self.plan = plan
+        self.schedule = schedule
+        self.rank = rank
+        self.group = group
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.plan.size - 1
+
+    def forward_backward(self, batch: dict[str, Tensor]) -> Tensor:
+        """Forward and backward of the whole batch through the pipeline; its mean loss."""
+        ids, labels = batch["input_ids"], batch.get("labels")
+        if labels is None:
+            raise ValueError(
+                "pp: forward_backward needs labels in the batch (the loss is the last stage's)"
+            )
+        expected = self.plan.microbatch_rows * self.plan.microbatches
+        if ids.shape[0] != expected:
+            raise ValueError(
+                f"pp[microbatches={self.plan.microbatches}]: a batch of {ids.shape[0]} rows; "
+                f"the stages were traced for {expected} rows ({self.plan.microbatch_rows} per "
+                "microbatch): every batch needs that many"
+            )
+        losses: list[Tensor] = []
+        if self.first:
+            self.schedule.step(ids)
+        elif self.last:
+            self.schedule.step(target=labels, losses=losses)
+        else:
+            self.schedule.step()
+        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
+        loss = loss.to(torch.float32)
+        dist.broadcast(
+            loss, src=dist.get_global_rank(self.group, self.plan.size - 1), group=self.group
+        )
+        return loss
+
+
+def apply_pipeline(
+    module: nn.Module, original: nn.Module, plan: PpPlan, example_ids: Tensor, state: Any
+) -> PipelineRun:
+    """Trace and split `original`, build this rank's stage and schedule; wrap `module`'s calls."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    group = dist.group.WORLD
+    if plan.size > 2:
+        raise TargetNotSupportedError(
+            f"pp[size={plan.size}]: more than 2 stages do not run yet: the values a transformers "
+            "decoder computes before its blocks (rotary cos/sin, the mask) would be sent to "
+            "several later stages, which torch's pipeline stages refuse; use pp[size=2] (the "
+            "plan for more stages is shown by `retarget inspect --target pp[size=N]`)"
+        )
+    traced = pipeline(
+        _Logits(original),
+        (example_ids[: plan.microbatch_rows],),
+        split_spec={f"model.{path}": SplitPoint.BEGINNING for path in plan.split_points},
+    )
+    stage = traced.build_stage(state.rank, state.device, group)
+    vocab = original.config.vocab_size
+
+    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+        return original.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+    schedule = schedule_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
+    return PipelineRun(plan, schedule, state.rank, group)
+
+
+def _refuse(plan: PpPlan, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        f"this model runs as pp[size={plan.size}]: a call would run this rank's stage only. "
+        "Train with loss = compiled.runtime.forward_backward(batch) (forward, backward and the "
+        "mean loss on every rank); for generate() or evaluation, unwrap() the model"
+    )

@@ -1,0 +1,197 @@
+"""split_stages (`pp[size=, schedule=, microbatches=, stages_per_rank=]`): the repeated blocks
+cut into pipeline stages, one per rank, balanced by the FLOPs annotate_shapes counted.
+
+Contract: requires regions, shapes | provides pipeline | after -
+    | numerics approx(rtol=1e-05, atol=1e-06) | options SplitStagesOptions
+
+The cut needs no help from the user: find_blocks knows where the model repeats, and the stages
+are contiguous runs of those blocks, the glue before them (embeddings) with the first stage
+and the glue after them (final norm, head, loss) with the last. `balance` chooses the runs
+that minimise the largest stage's FLOPs (an exact search over the cut points), counting the
+head's FLOPs on the last stage. The record (`plan.pp`, a `PpPlan`) holds the stages, their
+estimated cost, the imbalance (max / mean) and the schedule's bubble (p-1)/(m+p-1); the report
+and `retarget inspect --target "pp[size=4]" --world-size 4` print it in one process.
+
+Refused before anything runs, naming the value: a degree that is not the world (pp runs alone
+so far), fewer blocks than stages, no repeated blocks, a microbatch count that does not divide
+the example's rows, weights tied across stages (an LM head tied to the embedding), the
+interleaved and zero-bubble schedules (not yet), no example inputs (the stages are traced on a
+microbatch of it).
+
+Numerics: torch's schedules average the microbatches' gradients; with equal token counts per
+microbatch that is the whole batch's mean to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from retarget.core.errors import TargetNotSupportedError
+from retarget.core.plans import PpPlan, PpStage
+from retarget.ir.program import Program
+from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
+from retarget.spec.grammar import PARTS, Target
+
+_SCHEMA = PARTS["pp"].options
+#: Schedules run here; the others of the part's enum are refused by name.
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitStagesOptions:
+    """The options of `pp[...]`; defaults come from the target schema."""
+
+    size: int = _SCHEMA["size"].default
+    schedule: str = _SCHEMA["schedule"].default
+    microbatches: int = _SCHEMA["microbatches"].default
+    stages_per_rank: int = _SCHEMA["stages_per_rank"].default
+
+    def __post_init__(self) -> None:
+        coerce_options(self, _SCHEMA, "pp")
+
+
+def balance(costs: list[int], tail: int, stages: int) -> list[tuple[int, int]]:
+    """Cut `costs` (one per block, in order) into `stages` contiguous runs, `tail` added to the
+    last, minimising the largest run's cost; the runs as (start, end) index pairs."""
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[s][i]: the smallest largest cost cutting blocks[:i] into s runs; cut[s][i]: where
+    # the last of those runs starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            extra = tail if (s == stages and i == n) else 0
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    runs, end = [], n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        runs.append((start, end))
+        end = start
+    return runs[::-1]
+
+
+class SplitStages(Pass):
+    name = "split_stages"
+    summary = "pipeline parallelism: the repeated blocks cut into balanced stages, one per rank"
+    requires = ("regions", "shapes")
+    provides = ("pipeline",)
+    numerics = Numerics("approx", rtol=1e-5, atol=1e-6)
+    Options = SplitStagesOptions
+
+    @classmethod
+    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+        part = target.get("pp")
+        return [] if part is None else [cls(SplitStagesOptions(**part.as_dict()))]
+
+    def run(self, program: Program) -> PassResult:
+        options, world = self.options, program.world.size
+        size = options.size or world
+        where = f"pp[size={size}]"
+        if size < 2 or size != world:
+            raise TargetNotSupportedError(
+                f"{where}: pipeline parallelism runs alone so far, one stage per process: the "
+                f"degree must be the {program.world.describe()} and at least 2"
+            )
+        if options.schedule not in SCHEDULES or options.stages_per_rank > 1:
+            extra = (
+                f", stages_per_rank={options.stages_per_rank}" if options.stages_per_rank else ""
+            )
+            raise TargetNotSupportedError(
+                f"{where}: schedule={options.schedule}{extra} is not implemented yet (one "
+                "stage per rank); use schedule=1f1b or gpipe"
+            )
+        blocks = _blocks(program, where)
+        if len(blocks) < size:
+            raise TargetNotSupportedError(
+                f"{where}: the model has {len(blocks)} repeated blocks ({blocks[0]} ...), fewer "
+                f"than the {size} stages; use pp[size={len(blocks)}] or fewer"
+            )
+        _refuse_tied(program, blocks, where)
+        if not hasattr(program.original, "loss_function"):
+            raise TargetNotSupportedError(
+                f"{where}: {type(program.original).__name__} has no loss_function; the last "
+                "stage computes transformers' loss from the logits and labels, so pp takes "
+                "transformers' causal LMs so far"
+            )
+        example = program.example
+        ids = None
+        if example is not None:
+            ids = example.kwargs.get("input_ids", example.args[0] if example.args else None)
+        if ids is None or not hasattr(ids, "shape"):
+            raise TargetNotSupportedError(
+                f"{where}: the stages are traced on a microbatch of the example: give "
+                "example_inputs={'input_ids': ..., 'labels': ...}"
+            )
+        microbatches = options.microbatches or 2 * size
+        rows = ids.shape[0]
+        if rows % microbatches:
+            raise TargetNotSupportedError(
+                f"{where}: microbatches={microbatches} does not divide the example's {rows} "
+                f"rows; every batch is cut into {microbatches} equal microbatches: use a batch "
+                f"of a multiple of {microbatches} rows or set pp[microbatches=...]"
+            )
+        costs = [_flops(program, path) for path in blocks]
+        tail = max((program.analysis.flops or 0) - sum(costs), 0)
+        runs = balance(costs, tail, size)
+        stages = tuple(
+            PpStage(
+                index=i,
+                blocks=tuple(blocks[a:b]),
+                cost=sum(costs[a:b]) + (tail if i == size - 1 else 0),
+            )
+            for i, (a, b) in enumerate(runs)
+        )
+        plan = program.plan.pp = PpPlan(
+            size=size,
+            schedule=options.schedule,
+            microbatches=microbatches,
+            stages=stages,
+            split_points=tuple(s.blocks[0] for s in stages[1:]),
+            microbatch_rows=rows // microbatches,
+        )
+        stats = {"stages": size, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
+        return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
+
+
+def _blocks(program: Program, where: str) -> list[str]:
+    """The paths of the model's main repeated blocks (the largest group), in call order."""
+    groups = sorted(program.blocks, key=lambda g: len(g.paths), reverse=True)
+    if not groups or len(groups[0].paths) < 2:
+        raise TargetNotSupportedError(
+            f"{where}: {type(program.module).__name__} has no repeated blocks to cut into "
+            "stages (find_blocks found none)"
+        )
+    return list(groups[0].paths)
+
+
+def _flops(program: Program, path: str) -> int:
+    for region in program.regions:
+        if path in region.paths:
+            entry = (program.analysis.regions or {}).get(region.name, {})
+            return int(entry.get("flops_per_repeat") or 1)
+    return 1
+
+
+def _refuse_tied(program: Program, blocks: list[str], where: str) -> None:
+    """Refuse a parameter used both outside the blocks and by another stage's modules: an LM
+    head tied to the input embedding sits on the first and the last stage."""
+    owners: dict[int, list[str]] = {}
+    for name, module in program.original.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{name}.{pname}" if name else pname)
+    for names in owners.values():
+        if len(names) > 1:
+            raise TargetNotSupportedError(
+                f"{where}: {names[0]} is tied to {names[1]}; weights shared across stages "
+                "(an LM head tied to the embedding) are not supported yet: untie them "
+                "(config.tie_word_embeddings=False) or drop pp"
+            )
