@@ -6,8 +6,8 @@ Run: RETARGET_BENCH_ROUNDS=9 python -m pytest bench/test_pipeline_parallel.py --
   32 layers: (a) measured, compile_for of a Llama (hidden 512, 8 heads, vocab 1024) whose FLOPs
   annotate_shapes counts on a real forward; (b) the same planner (`balance`) on the FLOPs of
   Llama-2-7B's shapes (hidden 4096, intermediate 11008, vocab 32000, sequence 4096), where the
-  head weighs 0.65 of a block. Goal: <= 1.10.
-- Step time per schedule on 2 gloo ranks (pp runs 2 stages so far; informational on this
+  head weighs 0.56 of a block. Goal: <= 1.10.
+- Step time per schedule on 2 gloo ranks (2 processes for the 2 cores; informational on this
   2-core CPU): one `runtime.forward_backward` + SGD step of an 8-layer Llama with 8
   microbatches, interleaved rounds after a barrier, rank 0's seconds, against one process's
   step on the same batch; the ideal is (1 / p) / (1 - bubble), bubble = (p-1)/(m+p-1).

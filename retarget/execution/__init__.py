@@ -7,6 +7,7 @@
 - compiled_calls.py, flat_calls.py: the compiled runners compile_regions installs;
 - process.py, apply_plan.py, apply_tp.py, tp_fsdp.py, comm_hooks.py, step_guard.py: the
   process group, and DDP / FSDP2 / tensor parallel applied to the model, the optimizer guard;
+- pipeline_stages.py: pipeline parallelism: this rank's stage of torch's split and its schedule;
 - context/: context parallelism: the split attention ops, transformers' attention interface
   routed to them, the batch split and the whole loss, the (dp, cp) mesh applied;
 - xla_device.py, xla_placement.py: torch-xla behind one import probe, the model on XLA devices;

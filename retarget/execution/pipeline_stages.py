@@ -10,13 +10,14 @@ optimizer built on `compiled.parameters()` steps this stage's weights and skips 
 microbatches, runs forward and backward, computes transformers' loss from the last stage's
 logits and averages the microbatches' gradients.
 
-Two stages only, so far: torch 2.13's stages treat every floating-point value a stage sends as
-an activation that needs a gradient, and refuse one read by two later stages ("backward of
-skip connections not supported yet"); a transformers decoder computes its rotary cos/sin and
-causal mask once, before the first block, and hands them to every block, so with three stages
-or more the first would send them to two. `apply_pipeline` refuses that before anything runs
-(the plan for more stages is still made and printed). Recomputing those input-independent
-values inside each stage, by a split of our own, is the way past it (not done yet).
+torch 2.13's stages treat every floating-point value a stage sends as an activation that needs
+a gradient, and refuse one read by two later stages ("backward of skip connections not
+supported yet"); a transformers decoder computes its rotary cos/sin and causal mask once,
+before the first block, and hands them to every block, so with three stages or more the first
+would send them to several. `chain_skips` rewrites the split so that each stage also returns
+the received values a later stage reads, and each stage reads them from the one just before:
+every value goes to the next stage only (their gradients, which no weight needs, travel back
+the same way).
 
 `PipelineRun.forward_backward(batch)` is the training call (`compiled.runtime.forward_backward`):
 every rank calls it with the same batch; it returns the batch's mean loss on every rank (the
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import PpPlan
 from retarget.core.slots import OUTER_FORWARD
 
@@ -95,6 +95,52 @@ class PipelineRun:
         return loss
 
 
+def chain_skips(pipe: Any) -> None:
+    """Forward, stage by stage, the values a stage would send past the next one (see the
+    module docstring): each stage also returns the received values a later stage reads, and
+    the later stages read them from the stage just before. `pipe.split_gm`'s call graph and
+    the stages' output nodes are rewritten in place."""
+    import operator
+
+    from torch import fx
+
+    gm = pipe.split_gm
+    graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    for k, call in enumerate(calls[:-1]):
+        later = calls[k + 1 :]
+        received = [a for a in call.args if isinstance(a, fx.Node)]
+        skipped = [a for a in received if any(a in stage.args for stage in later)]
+        if not skipped:
+            continue
+        stage_module = getattr(gm, call.target)
+        placeholders = [n for n in stage_module.graph.nodes if n.op == "placeholder"]
+        output = next(n for n in stage_module.graph.nodes if n.op == "output")
+        own = output.args[0]
+        single = not isinstance(own, (tuple, list))
+        own_values = (own,) if single else tuple(own)
+        forwarded = tuple(placeholders[list(call.args).index(v)] for v in skipped)
+        output.args = (own_values + forwarded,)
+        stage_module.recompile()
+        users = list(call.users)
+        with graph.inserting_after(call):
+            items = [
+                graph.call_function(operator.getitem, (call, i))
+                for i in range(len(own_values) + len(forwarded))
+            ]
+        for user in users:
+            if single:
+                user.replace_input_with(call, items[0])
+            elif user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(items[user.args[1]])
+                graph.erase_node(user)
+        for j, value in enumerate(skipped):
+            for stage in later:
+                stage.replace_input_with(value, items[len(own_values) + j])
+    graph.lint()
+    gm.recompile()
+
+
 def apply_pipeline(
     module: nn.Module, original: nn.Module, plan: PpPlan, example_ids: Tensor, state: Any
 ) -> PipelineRun:
@@ -102,18 +148,12 @@ def apply_pipeline(
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
     group = dist.group.WORLD
-    if plan.size > 2:
-        raise TargetNotSupportedError(
-            f"pp[size={plan.size}]: more than 2 stages do not run yet: the values a transformers "
-            "decoder computes before its blocks (rotary cos/sin, the mask) would be sent to "
-            "several later stages, which torch's pipeline stages refuse; use pp[size=2] (the "
-            "plan for more stages is shown by `retarget inspect --target pp[size=N]`)"
-        )
     traced = pipeline(
         _Logits(original),
         (example_ids[: plan.microbatch_rows],),
         split_spec={f"model.{path}": SplitPoint.BEGINNING for path in plan.split_points},
     )
+    chain_skips(traced)
     stage = traced.build_stage(state.rank, state.device, group)
     vocab = original.config.vocab_size
 
