@@ -157,7 +157,7 @@ class Runtime(ProcessStateFacade):
         """`gather` without the samples even_batches duplicated: exactly the dataset's."""
         from retarget.runtime import collectives
 
-        view = self.applied.data_state() if self.applied is not None else self.state
+        view = self._data_view()
         return collectives.gather_for_metrics(view, data, use_gather_object=use_gather_object)
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:

@@ -28,21 +28,22 @@ from tests.distributed import run_ranks
 
 SEQ = 64
 ROWS = 2
+#: The shrunk sizes every model here is built with (GQA: 2 key/value heads for 4 query heads).
+SIZES = dict(
+    vocab_size=zoo.VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def build(name: str) -> torch.nn.Module:
     """A causal LM at its default config with the sizes shrunk, dropout off, seeded."""
     import transformers as tf
 
-    sizes = dict(
-        vocab_size=zoo.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
     extra: dict[str, Any] = {
         "llama": {},
         "qwen2": {"tie_word_embeddings": True},
@@ -55,7 +56,7 @@ def build(name: str) -> torch.nn.Module:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[name]
     torch.manual_seed(0)
-    model = model_class(config_class(**sizes, **extra))
+    model = model_class(config_class(**SIZES, **extra))
     return model.train()
 
 
@@ -325,15 +326,7 @@ def test_refused_without_a_strategy_and_beside_tp():
 def test_a_convolution_over_time_is_refused_naming_it():
     import transformers as tf
 
-    config = tf.Lfm2Config(
-        vocab_size=zoo.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"],
-    )
+    config = tf.Lfm2Config(**SIZES, layer_types=["conv", "full_attention"])
     with pytest.raises(TargetNotSupportedError, match=r"model.layers.0.conv: Lfm2ShortConv mixes"):
         retarget.compile_for(
             tf.Lfm2ForCausalLM(config), "ddp+cp", example_inputs=batch(), world_size=2
