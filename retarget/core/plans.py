@@ -287,6 +287,8 @@ class TpPlan:
     """The residual stream between blocks is split on the sequence dim (rules' `sequence`)."""
     loss_parallel: bool = False
     """The LM head's logits stay split over the vocabulary (its rule's `vocab_output`)."""
+    async_tp: bool = False
+    """Inductor micro-pipelines the sequence collectives with the matmuls (CUDA only)."""
     per_rank_numel: int = 0
     total_numel: int = 0
     blocks: Mapping[str, tuple[int, int]] = field(default_factory=dict)

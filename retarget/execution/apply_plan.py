@@ -251,7 +251,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     """torch's parallel styles over the "tp" dim, then fully_shard over "dp" for fsdp+tp."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from retarget.execution.apply_tp import apply_tp
+    from retarget.execution.apply_tp import apply_tp, recapture_split_regions
     from retarget.execution.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
 
     tp = program.plan.tp
@@ -260,12 +260,14 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     if fsdp is not None:
         shape, names = (state.world_size // tp.size, tp.size), ("dp", "tp")
     mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
+    if tp.async_tp:  # shard_tp admits it on CUDA, inductor and sequence parallelism only
+        enable_async_tp(mesh["tp"])
     # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
     # distribute_tensor scatters rank 0's copy of the split ones.
     broadcast_module_states(program.module)
     if fsdp is None:
-        # The regions holding split modules run eagerly (shard_tp): no capture meets the hooks.
         done = apply_tp(program.module, tp, mesh["tp"])
+        recapture_split_regions(program, tp)
         release_replaced(program.original, program.module)
         return Applied("tp", state, mesh=mesh, tp_modules=done)
     # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
@@ -274,12 +276,23 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     partial = [p for p, r in tp.rules.items() if r.style == "replicate_grad_allreduce"]
     rules = {p: r for p, r in tp.rules.items() if p not in partial}
     done = apply_tp(program.module, dataclasses.replace(tp, rules=rules), mesh["tp"])
+    recapture_split_regions(program, tp)
     for path in partial:
         sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
     # tp's fused parts on dim 0 need a placement of their own (execution.tp_fsdp).
     applied = _apply_fsdp(program, fsdp, state, mesh=mesh, placement=shard_placement(mesh))
     applied.tp_modules = done
     return applied
+
+
+def enable_async_tp(mesh: Any) -> None:
+    """Symmetric memory for the tp group and inductor's micro-pipelining pass, which rewrites
+    all-gather + matmul and matmul + reduce-scatter pairs into overlapped kernels."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(mesh.get_group().group_name)
+    inductor_config._micro_pipeline_tp = True
 
 
 def _apply_fsdp(

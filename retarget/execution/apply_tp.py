@@ -52,6 +52,8 @@ from retarget.core.plans import TpPlan, TpRule
 from retarget.core.slots import OUTER_FORWARD
 from retarget.core.tp_split_dims import module_kind, split_dims
 from retarget.execution.module_call import own_forward
+from retarget.ir.program import Program
+from retarget.ir.region import Region
 
 SEQUENCE = Shard(1)  # the residual stream's split under sequence parallelism: (batch, seq, hidden)
 
@@ -84,6 +86,43 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         for attribute, value in values.items():
             setattr(target, attribute, value)
     return done
+
+
+#: Why a region holding split modules is captured again, and with what.
+RECAPTURE_REASON = (
+    "tp: captured after the split, so its graph holds the DTensor layouts torch's parallel "
+    "styles install (dynamo: export and fx do not trace those hooks)"
+)
+RECAPTURE_FRONTENDS = ("dynamo",)
+
+
+def regions_holding_split_modules(program: Program, plan: TpPlan) -> list[Region]:
+    """The regions with a module the plan splits (or at a sequence boundary) inside."""
+    split = [
+        p
+        for p, r in plan.rules.items()
+        if r.style not in ("replicate", "replicate_grad_allreduce") or r.sequence
+    ]
+    return [
+        region
+        for region in program.regions
+        if any(_inside(path, root) for path in split for root in region.paths)
+    ]
+
+
+def recapture_split_regions(program: Program, plan: TpPlan) -> list[str]:
+    """After the split: every region holding a split module forgets the graphs captured before
+    it (whole shapes, no layouts) and captures again at its next call, with dynamo, which
+    traces the styles' hooks into the graph; the rewrites recorded on the region are replayed
+    on the new graphs. The regions' names."""
+    regions = regions_holding_split_modules(program, plan)
+    for region in regions:
+        region.recapture(RECAPTURE_FRONTENDS, RECAPTURE_REASON)
+    return [region.name for region in regions]
+
+
+def _inside(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
 
 
 def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -171,7 +210,7 @@ def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
     if style in ("colwise", "colwise_rep"):
         return ColwiseParallel(**kwargs) if plain else SplitColwise(kind, parts, **kwargs)
     if style in ("rowwise", "rowwise_rep"):
-        return RowwiseParallel(**kwargs) if plain else SplitRowwise(kind, **kwargs)
+        return OwnedRowwise(**kwargs) if plain else SplitRowwise(kind, **kwargs)
     raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
@@ -271,7 +310,22 @@ def _colwise_output(
     return outputs.to_local() if use_local_output else outputs
 
 
-class SplitRowwise(RowwiseParallel):
+class OwnedRowwise(RowwiseParallel):
+    """RowwiseParallel whose plain output is the module's own tensor, not the view of the
+    DTensor's local tensor that `to_local()` hands out: autograd forbids modifying that view in
+    place, and model code adds the residual into a block's output in place (Falcon's
+    `mlp_output += attention_output`). The copy is one activation per split module, next to a
+    matmul over it; torch.compile elides it where nothing writes into it."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, mesh: Any
+    ) -> Any:
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, mesh)
+        return outputs.to_local().clone() if use_local_output else outputs
+
+
+class SplitRowwise(OwnedRowwise):
     """RowwiseParallel for Conv1D: weight split on its input dim (dim 0 of [in, out]), bias
     kept whole; input and output handled as torch's RowwiseParallel does for nn.Linear."""
 

@@ -119,10 +119,37 @@ def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
             hooks.update(OrderedDict(merged))
 
 
+@contextlib.contextmanager
+def own_forward_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
+    """Remove each root's own forward pre/post hooks meanwhile (not its submodules').
+
+    A region captured at step time is captured from inside its module's call: the hooks on the
+    module itself (FSDP2's all-gather and reshard, registered on the sharded block) have run
+    around that call already, and a tracer that re-entered them would trace a collective and the
+    shard bookkeeping into the block's graph (dynamo breaks its graph there). The graph replaces
+    what runs between them, so the capture leaves them out.
+    """
+    parked = []
+    for root in roots:
+        for attribute in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = root.__dict__.get(attribute)
+            if hooks:
+                parked.append((hooks, list(hooks.items())))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in parked:
+            merged = sorted([*hooks.items(), *items], key=lambda item: item[0])
+            hooks.clear()
+            hooks.update(OrderedDict(merged))
+
+
 __all__ = [
     "GLOBAL_KINDS",
     "HOOK_KINDS",
     "hook_inside",
+    "own_forward_hooks_set_aside",
     "is_users",
     "users_hook_kinds",
     "users_hooks_set_aside",

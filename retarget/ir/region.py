@@ -38,7 +38,7 @@ from retarget.ir.call_key import (
     quick_signature,
     remember_call,
 )
-from retarget.ir.hooks import hook_inside, users_hooks_set_aside
+from retarget.ir.hooks import hook_inside, own_forward_hooks_set_aside, users_hooks_set_aside
 
 PENDING = "pending"
 GraphTransform = Callable[[fx.GraphModule], None]
@@ -95,6 +95,8 @@ class Region:
     """id(graph) of the graphs that have run once: only a graph's first run is checked."""
     runner: CallRunner | None = field(default=None, repr=False)
     """Runs the calls in place of the plain graph or eager form (compile_regions installs it)."""
+    recaptured: bool = False
+    """`recapture` dropped the graphs captured at compile time (tp split the region)."""
 
     @property
     def repeats(self) -> int:
@@ -106,7 +108,7 @@ class Region:
     ) -> CapturedGraph | None:
         """Capture the call for `module`'s signature (checked on `check` repeats too)."""
         with running_eagerly((module, *check)), capturing_originals(), _own_saved_tensors():
-            with users_hooks_set_aside(module, *check):
+            with users_hooks_set_aside(module, *check), own_forward_hooks_set_aside(module):
                 result = capture_call(
                     module, args, kwargs, frontends=self.frontends, check_modules=check
                 )
@@ -121,9 +123,17 @@ class Region:
         self.capture_seconds += result.seconds
         if result.graph is None:
             if not self.graphs:
+                if self.recaptured:  # compile_for warned of the first capture, not of this one
+                    self._warn_once(
+                        ("recapture",),
+                        f"retarget: region {self.name} could not be captured again "
+                        f"({result.reason}) and runs its eager form; compiled.report shows it",
+                    )
                 self.frontend, self.eager_only = EAGER, True
                 self.failures = result.failures
-                self.reason = result.reason
+                self.reason = (
+                    f"{self.reason}; then {result.reason}" if self.recaptured else (result.reason)
+                )
             else:  # a later signature: the region keeps its graphs, this call runs eagerly
                 self.eager_signatures.append(result.reason)
                 self._warn_once(
@@ -146,6 +156,19 @@ class Region:
             result.graph.pattern = masked_key(key, result.graph.dynamic)
             self.dynamic_graphs.append(result.graph)
         return result.graph
+
+    def recapture(self, frontends: tuple[str, ...], reason: str) -> None:
+        """Forget every graph: the next call of each signature captures anew with `frontends`
+        (tp splits a region's modules after capture; the graphs must hold the split). The
+        rewrites stay and are replayed on the new captures."""
+        self.frontends, self.frontend, self.reason = frontends, PENDING, reason
+        self.eager_only, self.failures, self.shared, self.recaptured = False, [], True, True
+        self.graphs.clear()
+        self.dynamic_graphs.clear()
+        self.eager_keys.clear()
+        self.failed_graphs.clear()
+        self.ran_graphs.clear()
+        self.version += 1
 
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = call_key(module, args, kwargs)
@@ -179,7 +202,8 @@ class Region:
                 continue
             try:
                 with running_eagerly((module,)), capturing_originals():
-                    check_against_eager(module, graph, args, kwargs)
+                    with own_forward_hooks_set_aside(module):
+                        check_against_eager(module, graph, args, kwargs)
             except Exception:  # outside the graph's guards, or not exact here: capture anew
                 continue
             self.graphs[key] = graph

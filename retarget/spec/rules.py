@@ -36,9 +36,6 @@ _TP_CONFLICTS = {
     f"which is not implemented; {_TP_COMPOSES}",
     "xla": "'xla' and 'tp' do not combine: XLA shards with its own SPMD partitioner; "
     + _TP_COMPOSES,
-    "compile": "'compile' and 'tp' do not combine yet: tp runs the split blocks eagerly (a "
-    "captured graph would skip the DTensor layouts torch's parallel styles install), and "
-    "torch.compile over DTensor modules is not implemented here",
     "fp8": "'fp8' and 'tp' do not combine: torch's parallel styles split nn.Linear and the FP8 "
     "modules are not nn.Linear; drop one of them",
     "offload": "'offload' and 'tp' do not combine: CPU offload of tp's 2-D DTensor shards is "

@@ -98,6 +98,12 @@ PARTS: dict[str, PartSchema] = {
             "loss_parallel": bool_option(
                 False, "keep the LM head's logits sharded on the vocabulary into the loss"
             ),
+            "async_tp": bool_option(
+                False,
+                "torch's async tensor parallelism: inductor overlaps the sequence all-gather / "
+                "reduce-scatter with the matmuls (CUDA, compile[backend=inductor], "
+                "sequence_parallel=true)",
+            ),
         },
     ),
     "cp": PartSchema(

@@ -11,6 +11,14 @@ styles split the planned modules (then fully_shard over dp for fsdp+tp), and the
 registered. Last, the optimizer step guard is installed where a plain optimizer step would be
 wrong (FSDP-replaced parameters, zero1, fp16's loss scale).
 
+Under tp on more than one process the regions holding split modules are captured again after
+the split (execution/apply_tp.py). With example inputs this pass makes that first call itself
+(one forward with grad, RNG and buffers restored), so the report shows each split region's
+graph (and compile its compile) before the first step, and a split region no frontend
+captures is refused under compile (TargetNotSupportedError naming the region and why) rather
+than compiled as an eager form broken at the styles' hooks; without compile it runs its eager
+form, warned by compile_for.
+
     >>> compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch)
     >>> compiled.program.plan.applied     # world size, backend, what was wrapped
 """
@@ -19,7 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from retarget.core.errors import TargetNotSupportedError
 from retarget.execution.apply_plan import apply_plan
+from retarget.execution.apply_tp import regions_holding_split_modules
+from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.spec.grammar import Target
@@ -49,5 +62,29 @@ class ApplyPlan(Pass):
             return PassResult(changed=False, notes=("nothing to distribute",))
         if not applied.applied:
             return PassResult(changed=False, notes=(f"not applied: {applied.reason}",))
+        if program.plan.tp is not None and program.example is not None:
+            capture_split_regions(program)
         stats = {"world_size": applied.world_size, "backend": applied.backend}
         return PassResult(changed=True, stats=stats, notes=(applied.wrapped,))
+
+
+def capture_split_regions(program: Program) -> None:
+    """One forward on the example inputs, as training calls it, so that every region tp split
+    captures (and compiles) its split graph now; under compile a split region left without a
+    graph is refused."""
+    example = program.example
+    split = regions_holding_split_modules(program, program.plan.tp)
+    for region in split:  # compile_for itself warns of a region left eager now
+        region.warned.add(("recapture",))
+    with preserved_state(program.module), torch.enable_grad():
+        program.module(*example.args, **example.kwargs)
+    if "compile" not in program.target:
+        return
+    for region in split:
+        if region.eager_only:
+            raise TargetNotSupportedError(
+                f"tp+compile: region {region.name} ({region.paths[0]}) holds modules tp splits "
+                f"and could not be captured after the split ({region.reason}); compiling its "
+                "eager form would break the graph at every split module. Drop compile, or "
+                f"keep {region.paths[0]}'s modules whole in the tp plan"
+            )

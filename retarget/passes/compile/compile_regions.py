@@ -26,6 +26,8 @@ call itself (one forward with grad, RNG and buffers restored), so the report sho
 seconds, graphs and graph breaks. Not when FSDP will shard the blocks on more than one process:
 fully_shard re-classes each block and dynamo guards on the class, so that compile would be
 redone at the first step (measured: one recompile per region); regions compile then instead.
+Nor under tp on more than one process: the split blocks are captured again after the split
+(execution/apply_tp.py), and the graph compiled now would be dropped.
 A compile that fails runs the uncompiled graph with one warning and the reason in the report;
 fullgraph=true makes it an error naming the region.
 
@@ -95,6 +97,11 @@ class CompileRegions(Pass):
         notes = [f"{r.name}: {_how(r)}" for r in regions]
         if program.example is None:
             notes.append("no example_inputs: each region compiles at its first call")
+        elif "tp" in program.target and program.world.size > 1:
+            notes.append(
+                "tp splits the blocks after this pass and they are captured again: each "
+                "region compiles its split graph at its first call"
+            )
         elif _resharded_later(program):
             notes.append(
                 "FSDP re-classes each block when it shards it (after this pass), and dynamo "

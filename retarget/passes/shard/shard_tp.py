@@ -21,8 +21,11 @@ a dict (derived only: the stream's boundaries come from the graph walk and a run
 "tp" dim of the mesh (`execution.apply_tp`), after which FSDP2 (fsdp+tp) shards over "dp".
 
 Regions: torch's styles convert each split module's inputs and outputs in module hooks, which
-a captured graph (no module boundaries inside) would skip, so every region holding a split
-module runs eagerly; the report says which.
+a graph captured before the split does not have, so every region holding a split module forgets
+its graphs and captures again at its first call after the split (dynamo traces the hooks into
+the graph: DTensor from_local / redistribute / to_local around each split Linear); the rewrites
+recorded on the region (autocast islands, checkpointing) are replayed on the new graph and
+compile compiles it, once per block type. The report says which regions.
 
 Mesh: tp alone fills the world (size = processes); with fsdp/zero2/zero3 the mesh is
 (dp, tp) = (world / size, size), tp innermost, as torchtitan lays it out.
@@ -40,7 +43,7 @@ from torch import nn
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TP_STYLES, TpPlan, TpRule
 from retarget.core.tp_split_dims import COLWISE_STYLES, local_numel, module_kind, split_dims
-from retarget.frontends import EAGER
+from retarget.execution.apply_tp import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
@@ -62,6 +65,9 @@ class TpOptions:
     loss_parallel: bool = False
     """Keep the LM head's logits split over the vocabulary; the loss runs under torch's
     loss_parallel() (plan=auto)."""
+    async_tp: bool = False
+    """torch's async TP (inductor's micro-pipelined all-gather/reduce-scatter matmuls over
+    symmetric memory): CUDA, compile[backend=inductor] and sequence_parallel only."""
     data_parallel: str = ""
     """The fsdp-family part beside tp ("" when tp runs alone)."""
 
@@ -74,6 +80,7 @@ class TpOptions:
             plan=values["plan"],
             sequence_parallel=values["sequence_parallel"],
             loss_parallel=values["loss_parallel"],
+            async_tp=values["async_tp"],
             data_parallel=dp,
         )
 
@@ -118,6 +125,8 @@ class ShardTp(Pass):
     def run(self, program: Program) -> PassResult:
         options = self.options
         _refuse_unimplemented(options)
+        if options.async_tp:
+            refuse_async_tp_where_it_cannot_run(program)
         quantized = [p for p, m in program.module.named_modules() if isinstance(m, QuantizedLinear)]
         if quantized:
             raise TargetNotSupportedError(
@@ -128,13 +137,14 @@ class ShardTp(Pass):
         size = options.degree(program.world.size)
         plan = resolve_plan(program, options, size)
         plan = _with_counts(check_plan(program, plan), program)
+        plan = dataclasses.replace(plan, async_tp=options.async_tp)
         program.plan.tp = plan
-        eager = make_split_regions_eager(program, plan)
+        recaptured = [r.name for r in regions_holding_split_modules(program, plan)]
         notes = [plan.describe()]
         notes += [f"{path}: {rule.style} ({rule.reason})" for path, rule in plan.rules.items()]
         notes += [f"{p}: each of {n} fused parts split on its own" for p, n in plan.fused.items()]
         notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
-        notes += [f"region {name} runs eagerly (holds split modules)" for name in eager]
+        notes += [f"region {name}: captured again once split" for name in recaptured]
         mesh = [program.world.size // size, size] if options.data_parallel else [size]
         stats = {"size": size, "rules": len(plan.rules), "mesh": mesh}
         return PassResult(changed=True, stats=stats, notes=tuple(notes))
@@ -149,6 +159,25 @@ def _refuse_unimplemented(options: TpOptions) -> None:
                 f"tp[{option}=true, plan=hf]: the config's base_model_tp_plan says nothing of "
                 f"where the stream is split; use plan=auto, which derives the {option} rules"
             )
+
+
+def refuse_async_tp_where_it_cannot_run(program: Program) -> None:
+    """Async TP is inductor's rewrite of the sequence-parallel all-gather + matmul (and matmul +
+    reduce-scatter) pairs into micro-pipelined kernels over CUDA symmetric memory: without CUDA
+    parameters, inductor or sequence parallelism there is nothing it can do, so it is refused
+    by name rather than silently ignored."""
+    target = program.target
+    devices = {p.device.type for p in program.module.parameters()}
+    compile_part = target.get("compile").as_dict() if "compile" in target else {}
+    why = ""
+    if devices != {"cuda"}:
+        why = f"it needs CUDA (symmetric memory); the model's parameters are on {sorted(devices)}"
+    elif compile_part.get("backend", "").lower() != "inductor":
+        why = "inductor does the overlap: add compile[backend=inductor]"
+    elif not target.get("tp").as_dict()["sequence_parallel"]:
+        why = "it overlaps the sequence all-gathers: add sequence_parallel=true"
+    if why:
+        raise TargetNotSupportedError(f"tp[async_tp=true]: {why}; or drop async_tp")
 
 
 def resolve_plan(program: Program, options: TpOptions, size: int) -> TpPlan:
@@ -355,25 +384,3 @@ def _with_counts(plan: TpPlan, program: Program) -> TpPlan:
         for path in group.paths
     }
     return dataclasses.replace(plan, per_rank_numel=mine, total_numel=total, blocks=blocks)
-
-
-def make_split_regions_eager(program: Program, plan: TpPlan) -> list[str]:
-    """Mark every region that holds a split module eager-only; their names."""
-    split = [
-        p
-        for p, r in plan.rules.items()
-        if r.style not in ("replicate", "replicate_grad_allreduce") or r.sequence
-    ]
-    names = []
-    for region in program.regions:
-        if any(_inside(path, region_path) for path in split for region_path in region.paths):
-            region.frontend, region.eager_only = EAGER, True
-            region.reason = "tp: torch's parallel styles convert inputs and outputs in hooks"
-            region.failures = []
-            region.graphs.clear()
-            names.append(region.name)
-    return names
-
-
-def _inside(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
