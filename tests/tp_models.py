@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import (
     BertConfig,
+    BertForMaskedLM,
     BertForSequenceClassification,
     CodeGenConfig,
     CodeGenForCausalLM,
@@ -137,6 +138,21 @@ def bert() -> nn.Module:
     return _dropout_off(BertForSequenceClassification(config))
 
 
+def bert_mlm() -> nn.Module:
+    """BERT with its masked-LM head (tied to the word embeddings): the head sits behind a
+    prediction transform (dense, GELU, LayerNorm) that runs on the whole stream."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=INTER,
+        max_position_embeddings=64,
+    )
+    return _dropout_off(BertForMaskedLM(config))
+
+
 class Mlp(nn.Module):
     """Two residual MLP blocks and a head: a model with nothing but Linears to split."""
 
@@ -252,6 +268,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, int], TpPl
     "codegen": (codegen, hf_plan, "lm"),
     "gpt2": (gpt2, gpt2_plan, "lm"),
     "bert": (bert, bert_plan, "cls"),
+    "bert_mlm": (bert_mlm, bert_plan, "lm"),
 }
 
 

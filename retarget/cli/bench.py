@@ -167,6 +167,22 @@ def _quant_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _tp_compile_rows(d: dict) -> list[Row]:
+    info = d.get("tp_compile", {})
+    rows = []
+    for key, label in (
+        ("tp+compile / tp", "step time tp+compile / tp"),
+        (
+            "tp+compile / by hand (parallel styles + per-block compile)",
+            "step time tp+compile / parallel styles + per-block compile by hand",
+        ),
+    ):
+        if key in info:
+            ratio = info[key]["median of rounds"]
+            rows.append(("tensor parallelism, 2 ranks", label, f"{ratio:.3f}x"))
+    return rows
+
+
 def _cp_rows(d: dict) -> list[Row]:
     rows = []
     memory = d.get("memory", {})
@@ -266,6 +282,12 @@ SUITES: dict[str, Suite] = {
             file="test_context_parallel.py",
             results="context_parallel.json",
             rows=_cp_rows,
+        ),
+        Suite(
+            name="tp-compile",
+            file="test_tp_compile.py",
+            results="tp_compile.json",
+            rows=_tp_compile_rows,
         ),
         Suite(
             name="pp",

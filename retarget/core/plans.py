@@ -259,8 +259,11 @@ class TpRule:
     """With sequence parallelism, where the module meets the residual stream that is split on
     the sequence dim (dim 1) between blocks: "gather" (its input is split on the sequence and
     all-gathered first: a block's colwise Linears, a replicated LM head), "scatter" (its output
-    is reduce-scattered onto the sequence: a block's rowwise Linears, the input embedding), or
-    "" (neither)."""
+    is reduce-scattered onto the sequence: a block's rowwise Linears, the input embedding),
+    "scatter_input" (a replicated first block whose whole input, made by glue that computes on
+    the stream, is cut to this rank's slice: no communication), "gather_output" (a replicated
+    last block whose output is all-gathered whole for glue or a head that needs it), or ""
+    (neither)."""
     vocab_output: bool = False
     """loss_parallel's LM head: the logits stay a DTensor split over the vocabulary (the last
     dim), which cross entropy reads under torch's `loss_parallel()`."""
@@ -310,6 +313,11 @@ class TpPlan:
                 f"{bounds.count('gather')} modules all-gather it, "
                 f"{bounds.count('scatter')} reduce-scatter onto it"
             )
+            for path, rule in self.rules.items():
+                if rule.sequence == "scatter_input":
+                    text += f"; split at {path}'s input (after the glue)"
+                if rule.sequence == "gather_output":
+                    text += f"; gathered at {path}'s output"
         if self.loss_parallel:
             heads = [p for p, r in self.rules.items() if r.vocab_output]
             text += f"; loss_parallel: {', '.join(heads) or 'no'} logits split over the vocabulary"

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -94,6 +95,12 @@ RECAPTURE_REASON = (
     "styles install (dynamo: export and fx do not trace those hooks)"
 )
 RECAPTURE_FRONTENDS = ("dynamo",)
+#: Why a region runs its eager form under sequence parallelism.
+SEQUENCE_EAGER_REASON = (
+    "tp[sequence_parallel=true]: the block takes the stream as a DTensor split on the "
+    "sequence, which dynamo's export does not take as a graph input (torch 2.13); it runs its "
+    "eager form (compile compiles that form, as torchtitan compiles its blocks)"
+)
 
 
 def regions_holding_split_modules(program: Program, plan: TpPlan) -> list[Region]:
@@ -114,10 +121,14 @@ def recapture_split_regions(program: Program, plan: TpPlan) -> list[str]:
     """After the split: every region holding a split module forgets the graphs captured before
     it (whole shapes, no layouts) and captures again at its next call, with dynamo, which
     traces the styles' hooks into the graph; the rewrites recorded on the region are replayed
-    on the new graphs. The regions' names."""
+    on the new graphs. Under sequence parallelism they run their eager form instead (the
+    block's input is a DTensor, which dynamo's export refuses). The regions' names."""
     regions = regions_holding_split_modules(program, plan)
     for region in regions:
-        region.recapture(RECAPTURE_FRONTENDS, RECAPTURE_REASON)
+        if plan.sequence_parallel:
+            region.run_eager_form(SEQUENCE_EAGER_REASON)
+        else:
+            region.recapture(RECAPTURE_FRONTENDS, RECAPTURE_REASON)
     return [region.name for region in regions]
 
 
@@ -179,6 +190,8 @@ def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
     if style == "replicate_grad_allreduce":
         return None
     if style == "replicate":
+        if sequence in ("scatter_input", "gather_output"):
+            return StreamBoundary(sequence)
         if sequence == "gather":
             return PrepareModuleInput(
                 input_layouts=(SEQUENCE,),
@@ -308,6 +321,51 @@ def _colwise_output(
     if output_layouts[0].is_replicate() or not last:
         outputs = outputs.redistribute(placements=output_layouts)
     return outputs.to_local() if use_local_output else outputs
+
+
+class StreamBoundary(ParallelStyle):
+    """Where glue that computes on the whole stream meets the split one, on a block the plan
+    keeps whole (tp_sequence): "scatter_input" cuts the block's hidden-state input (its first
+    positional argument, or `hidden_states`) to this rank's sequence slice, a Replicate ->
+    Shard(1) redistribute with no communication (its backward all-gathers the gradient);
+    "gather_output" all-gathers the block's output (or its first element) whole. Hooks on the
+    block itself run around its graph, as FSDP2's do."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if self.where == "scatter_input":
+            module.register_forward_pre_hook(partial(_split_input, device_mesh), with_kwargs=True)
+        else:
+            module.register_forward_hook(partial(_joined_output, device_mesh))
+        return module
+
+
+def _split_input(mesh: Any, _module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    def split(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        whole = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(mesh, (SEQUENCE,))
+
+    if args:
+        return (split(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": split(kwargs["hidden_states"])}
+    return args, kwargs
+
+
+def _joined_output(mesh: Any, _module: nn.Module, _args: tuple, output: Any) -> Any:
+    def joined(x: Any) -> Any:
+        if not isinstance(x, DTensor):
+            return x
+        return x.redistribute(mesh, (Replicate(),)).to_local()
+
+    if isinstance(output, tuple):
+        return (joined(output[0]), *output[1:]) if output else output
+    return joined(output)
 
 
 class OwnedRowwise(RowwiseParallel):

@@ -157,7 +157,8 @@ class RegionCompiler:
             "mode": self.settings.mode,
             "dynamic": self.settings.dynamic,
             "fullgraph": self.settings.fullgraph,
-            "form": s.form,
+            # a region left eager after compile_regions ran (tp's split blocks) says so
+            "form": "eager form" if self._eager is not None and not self._graphs else s.form,
             "compiled_callables": (
                 len(self._graphs) + (self._eager is not None) + len(self._eager_per_repeat)
             ),

@@ -170,6 +170,12 @@ class Region:
         self.ran_graphs.clear()
         self.version += 1
 
+    def run_eager_form(self, reason: str) -> None:
+        """No graph from now on: every call runs the eager form (every rewrite's module-level
+        form), for `reason`."""
+        self.recapture((), reason)
+        self.frontend, self.eager_only = EAGER, True
+
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = call_key(module, args, kwargs)
         return key if self.shared else (record_of(module).path, key)

@@ -78,8 +78,8 @@ def capture_split_regions(program: Program) -> None:
         region.warned.add(("recapture",))
     with preserved_state(program.module), torch.enable_grad():
         program.module(*example.args, **example.kwargs)
-    if "compile" not in program.target:
-        return
+    if "compile" not in program.target or program.plan.tp.sequence_parallel:
+        return  # under sequence parallelism compile compiles the eager form (apply_tp)
     for region in split:
         if region.eager_only:
             raise TargetNotSupportedError(

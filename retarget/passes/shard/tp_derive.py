@@ -34,7 +34,7 @@ from retarget.passes.capture.capture_regions import record_inputs
 from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, HandPlanConflict, find_chains
 from retarget.passes.shard.tp_layout import tensor_shape
 from retarget.passes.shard.tp_params import is_linear_like, is_norm, plan_numel
-from retarget.passes.shard.tp_sequence import check_glue, linears_in_blocks, sequence_rules
+from retarget.passes.shard.tp_sequence import linears_in_blocks, sequence_rules, stream_boundaries
 from retarget.passes.shard.tp_widths import WidthCheck
 
 
@@ -88,7 +88,7 @@ def split_sequence(
     program: Program, rules: dict[str, TpRule], named: list[tuple[str, nn.Module]]
 ) -> dict[str, TpRule]:
     """The rules with sequence parallelism's boundaries, after checking the model's code
-    between the embedding, the blocks and the head runs nothing on the stream."""
+    between the embedding, the blocks and the head (`tp_sequence.stream_boundaries`)."""
     paths = {id(m): p for p, m in named}
     embedding, head = (
         paths.get(id(_hf_module(program.module, g)))
@@ -97,16 +97,13 @@ def split_sequence(
     blocks = [path for region in program.regions for path in region.paths]
     order = {path: i for i, (path, _) in enumerate(named)}
     blocks.sort(key=order.__getitem__)
-    marked = sequence_rules(
-        program.module, rules, linears_in_blocks(program.module, blocks), embedding, head
-    )
     norms = [
         p
         for p, r in rules.items()
         if r.style == "sequence_parallel" and _enclosing(p, set(blocks)) is None
     ]
-    check_glue(program, embedding, blocks, norms, head)
-    return marked
+    bounds = stream_boundaries(program, embedding, blocks, norms, head)
+    return sequence_rules(rules, linears_in_blocks(program.module, blocks), embedding, head, bounds)
 
 
 def block_inputs(program: Program) -> dict:

@@ -7,20 +7,26 @@ sequence before its matmul (rule `sequence="gather"`), each rowwise Linear reduc
 output onto it (`sequence="scatter"`) instead of all-reducing; the final norm runs on slices and
 the LM head gathers the sequence (`sequence="gather"`).
 
-`sequence_rules` marks those boundaries on the plan's rules and refuses what the layout cannot
-hold: a Linear a block keeps replicated (it would read a sequence slice as if whole), a model
-without an LM head (its hidden states would leave the model split).
+`stream_boundaries` runs the model once on the example inputs and finds where the stream can
+be split. Glue that computes on the stream (GPT-2 adds position embeddings to the token
+embeddings; BERT adds token types and normalises the sum) cannot run on sequence slices, so:
+- when the embedding's output is not the first block's input, the embedding and the glue run
+  whole (replicated, as without sequence parallelism) and the first block's input is cut to
+  this rank's slice (`sequence="scatter_input"`: no communication);
+- when the last block's output does not go straight into the head (through at most one final
+  norm), the last block's output is all-gathered (`sequence="gather_output"`) and what follows
+  runs whole: a pooler, a classifier, BERT's prediction transform; a model with no LM head
+  works this way too;
+- each block's output must be the next block's input: glue between blocks is refused, naming
+  the two blocks. Norms outside the blocks that run on the whole stream keep no rule.
 
-`check_glue` runs the model once on the example inputs and refuses (naming the module and why)
-a model whose code between the embedding, the blocks, the final norm and the head computes
-anything: the stream there is split, so a full-sequence tensor mixed in (GPT-2 adds position
-embeddings to the token embeddings; BERT normalises their sum) cannot be applied to it. What
-passes is: the embedding's output is the first block's input, each block's output the next
-one's, the last block's output the final norm's input and that norm's output the head's input.
+`sequence_rules` marks those boundaries on the plan's rules and refuses a Linear a block keeps
+replicated (it would read a sequence slice as if whole).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,21 +43,27 @@ WHY = "tp[sequence_parallel=true]"
 BOUNDARY = {"colwise": "gather", "rowwise": "scatter"}
 
 
+@dataclass(frozen=True)
+class StreamBoundaries:
+    """Where the residual stream is split and joined (see the module docstring)."""
+
+    split_at_embedding: bool
+    first_block: str
+    joined_at_head: bool
+    last_block: str
+    sequence_norms: tuple[str, ...]
+    """The norms outside the blocks that run on the split stream (the final norm, or none)."""
+
+
 def sequence_rules(
-    model: nn.Module,
     rules: dict[str, TpRule],
     blocks: dict[str, str],
     embedding: str | None,
     head: str | None,
+    bounds: StreamBoundaries,
 ) -> dict[str, TpRule]:
     """The rules with their sequence boundaries. `blocks`: path of each Linear inside a block
     -> that block's path."""
-    if head is None:
-        raise TargetNotSupportedError(
-            f"{WHY}: {type(model).__name__} has no LM head (get_output_embeddings()) to gather "
-            "the sequence before the output: its hidden states (into a classifier, a pooler, "
-            "or out of the model) would be split on the sequence"
-        )
     marked = dict(rules)
     for path, block in blocks.items():
         rule = rules[path]
@@ -62,9 +74,27 @@ def sequence_rules(
                 "can read or write it"
             )
         marked[path] = _with(rule, BOUNDARY[rule.style])
-    if embedding is not None:
+    for path, rule in rules.items():  # norms on the whole stream (glue) run as they are
+        if rule.style == "sequence_parallel" and path not in bounds.sequence_norms:
+            if not any(path.startswith(block + ".") for block in blocks.values()):
+                del marked[path]
+    if bounds.split_at_embedding and embedding is not None:
         marked[embedding] = _with(marked[embedding], "scatter")
-    marked[head] = _with(marked[head], "gather")
+    else:
+        marked[bounds.first_block] = TpRule(
+            style="replicate",
+            reason="the glue before it computes on the whole stream: its input is cut to this "
+            "rank's sequence slice",
+            sequence="scatter_input",
+        )
+    if bounds.joined_at_head and head is not None:
+        marked[head] = _with(marked[head], "gather")
+    else:
+        marked[bounds.last_block] = TpRule(
+            style="replicate",
+            reason="what follows it needs the whole stream: its output is all-gathered",
+            sequence="gather_output",
+        )
     return marked
 
 
@@ -89,11 +119,15 @@ def linears_in_blocks(model: nn.Module, block_paths: list[str]) -> dict[str, str
     return found
 
 
-def check_glue(
-    program: Program, embedding: str | None, block_paths: list[str], norms: list[str], head: str
-) -> None:
-    """Run the example once; refuse unless the stream goes embedding -> blocks -> norm -> head
-    with nothing computed in between (`norms`: the sequence_parallel norms outside blocks)."""
+def stream_boundaries(
+    program: Program,
+    embedding: str | None,
+    block_paths: list[str],
+    norms: list[str],
+    head: str | None,
+) -> StreamBoundaries:
+    """Run the example once and find where the stream is split and joined (`norms`: the
+    sequence_parallel norms outside blocks); refuse glue between two blocks."""
     if program.example is None:
         raise TargetNotSupportedError(
             f"{WHY}: needs example inputs to check the code between the embedding, the blocks "
@@ -101,29 +135,31 @@ def check_glue(
         )
     if not block_paths:
         raise TargetNotSupportedError(f"{WHY}: the model has no repeated blocks to split")
-    if len(norms) > 1:
-        raise TargetNotSupportedError(
-            f"{WHY}: norms {', '.join(norms)} sit outside the blocks; only one final norm "
-            "between the last block and the head can run on sequence slices"
-        )
-    calls = _record(program, [embedding] if embedding else [], block_paths, norms, head)
-    previous, where = (calls[0][2], f"the output of {embedding!r}") if embedding else (None, "")
-    stages = calls[1:] if embedding else calls
-    for path, given, output in stages:
-        if previous is not None and not _same(given, previous):
+    paths = [*([embedding] if embedding else []), *block_paths, *norms, *([head] if head else [])]
+    calls = dict((p, (given, output)) for p, given, output in _record(program, paths))
+    order = [p for p in calls if p in block_paths]
+    for before, after in zip(order[:-1], order[1:], strict=True):
+        if not _same(calls[after][0], calls[before][1]):
             raise TargetNotSupportedError(
-                f"{WHY}: the input of {path!r} is not {where}: the model's code between them "
-                "computes on the stream (e.g. adds position embeddings or normalises), which "
-                "cannot run on a stream split on the sequence; drop sequence_parallel"
+                f"{WHY}: the input of block {after!r} is not the output of block {before!r}: "
+                "the model's code between two blocks computes on the stream, which cannot run "
+                "on a stream split on the sequence; drop sequence_parallel"
             )
-        previous, where = output, f"the output of {path!r}"
+    first, last = order[0], order[-1]
+    split_at_embedding = embedding is not None and _same(calls[first][0], calls[embedding][1])
+    chain, previous = [], calls[last][1]
+    for path in [*norms, *([head] if head else [])]:
+        if path in calls and _same(calls[path][0], previous):
+            chain.append(path)
+            previous = calls[path][1]
+    joined_at_head = head is not None and chain[-1:] == [head] and len(chain) <= 2
+    final = tuple(p for p in chain if p != head) if joined_at_head else ()
+    return StreamBoundaries(split_at_embedding, first, joined_at_head, last, final)
 
 
-def _record(
-    program: Program, first: list[str], blocks: list[str], norms: list[str], head: str
-) -> list[tuple[str, Any, Any]]:
+def _record(program: Program, paths: list[str]) -> list[tuple[str, Any, Any]]:
     """(path, hidden-state input, output) of each module in call order, each path's first
-    call; the embedding first, then the blocks, the norms and the head in the order they ran."""
+    call."""
     model = program.module
     calls: dict[str, list[Any]] = {}
     order: list[str] = []
@@ -138,7 +174,7 @@ def _record(
         if calls[path][1] is None:
             calls[path][1] = _first_tensor(output)
 
-    for path in [*first, *blocks, *norms, head]:
+    for path in paths:
         module = model.get_submodule(path)
         handles.append(
             module.register_forward_pre_hook(
@@ -153,15 +189,11 @@ def _record(
     finally:
         for handle in handles:
             handle.remove()
-    missing = [p for p in [*first, *blocks, *norms, head] if p not in calls]
+    missing = [p for p in paths if p not in calls]
     if missing:
         raise TargetNotSupportedError(
             f"{WHY}: {missing[0]!r} did not run on the example inputs, so the path of the "
             "residual stream through the model is unknown"
-        )
-    if first and order[0] != first[0]:
-        raise TargetNotSupportedError(
-            f"{WHY}: {order[0]!r} ran before the input embedding {first[0]!r}"
         )
     return [(p, calls[p][0], calls[p][1]) for p in order]
 

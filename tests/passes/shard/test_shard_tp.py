@@ -166,8 +166,8 @@ def test_refusals_of_layouts_and_options():
     assert "the target says loss_parallel=true, the plan record loss_parallel=False" in (
         _refusal("mlp", "tp[size=2,loss_parallel=true,plan=tests.tp_models:MLP_2]")
     )
-    # The MLP has no LM head to gather the sequence, nor logits to split.
-    assert "CompiledMlp has no LM head (get_output_embeddings())" in _refusal(
+    # The MLP adds each block's output to the stream outside the blocks: glue between blocks.
+    assert "the input of block 'blocks.1' is not the output of block 'blocks.0'" in _refusal(
         "mlp", "tp[size=2,sequence_parallel=true]"
     )
     assert "cannot import it" in _refusal("mlp", "tp[size=2,plan=tests.tp_models:NOPE]")

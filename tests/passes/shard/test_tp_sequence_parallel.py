@@ -3,8 +3,11 @@ every gradient (gathered whole) equal one process's within 1e-5 relative for Lla
 Qwen2, a few SGD steps with clipping track one process's loss, a sequence the degree does not
 divide works (DTensor's uneven split), so do padded rows, greedy generate() equals one process's;
 fsdp+tp[size=2, sequence_parallel=true] on a 2x2 mesh for Llama. One process: the plan carries
-the sequence boundaries and prints them; models whose code between the embedding and the blocks
-computes on the stream (GPT-2, BERT) are refused by name.
+the sequence boundaries and prints them; where the model's code between the embedding and the
+first block (GPT-2's position embeddings, BERT's LayerNorm) or after the last block (BERT's
+classifier and prediction transform) computes on the stream, the split moves to the first
+block's input and the join to the last block's output (GPT-2 and BERT on 2 ranks, with
+loss_parallel too); glue between two blocks is refused, naming them.
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ def _sp_body(rank: int, world: int) -> dict[str, Any]:
         "padded": one_step(rank, world, SP_LP, ["llama"], padded=True),
         "train_sp": training(rank, world, SP, "llama"),
         "train_sp_lp": training(rank, world, SP_LP, "qwen2"),
+        # Glue on the stream: GPT-2's position embeddings, BERT's embedding LayerNorm and its
+        # classifier / prediction transform on the whole stream.
+        "glue": one_step(rank, world, SP, ["gpt2", "bert"]),
+        "glue_lp": one_step(rank, world, SP_LP, ["gpt2", "bert_mlm"]),
         "generate": generate(SP),
     }
 
@@ -129,6 +136,8 @@ def test_sequence_parallel_on_2_ranks_matches_one_process():
     check_one_step(results[0]["sp_lp"], ["llama", "qwen2"])
     check_one_step(results[0]["uneven"], ["llama"])
     check_one_step(results[0]["padded"], ["llama"])
+    check_one_step(results[0]["glue"], ["gpt2", "bert"])
+    check_one_step(results[0]["glue_lp"], ["gpt2", "bert_mlm"])
     for key in ("train_sp", "train_sp_lp"):
         # Both tp ranks computed the whole loss; _check averages over the world.
         check_training([r[key] for r in results], 2)
@@ -187,19 +196,56 @@ def test_sequence_parallel_on_a_replicated_embedding_scatters_it():
     assert (rules["lm_head"].style, rules["lm_head"].sequence) == ("replicate", "gather")
 
 
-@pytest.mark.parametrize(
-    ("name", "says"),
-    [
-        # wte's output plus wpe's position embeddings: a full-sequence tensor on the stream.
-        ("gpt2", "the input of 'transformer.h.0' is not the output of 'transformer.wte'"),
-        # A classifier reads the hidden states: they would leave the blocks split.
-        ("bert", "BertForSequenceClassification has no LM head"),
-    ],
-)
-def test_sequence_parallel_refuses_what_computes_on_the_stream(name, says):
+def test_glue_on_the_stream_moves_the_split_to_the_blocks():
+    # GPT-2 adds wpe's position embeddings to wte's output: the embedding and that sum run
+    # whole, and the first block's input is cut to each rank's slice; ln_f and the head are
+    # on the split stream as for Llama.
+    gpt2 = _plan("gpt2", SP_LP).rules
+    assert (gpt2["transformer.h.0"].style, gpt2["transformer.h.0"].sequence) == (
+        "replicate",
+        "scatter_input",
+    )
+    assert gpt2["transformer.wte"].sequence == ""
+    assert gpt2["transformer.ln_f"].style == "sequence_parallel"
+    assert gpt2["lm_head"].sequence == "gather"
+    # BERT normalises the embeddings' sum (whole) and its classifier reads the stream: the
+    # last block's output is gathered, and no norm outside the blocks is split.
+    bert = _plan("bert", SP)
+    assert bert.rules["bert.encoder.layer.0"].sequence == "scatter_input"
+    assert bert.rules["bert.encoder.layer.1"].sequence == "gather_output"
+    assert "bert.embeddings.LayerNorm" not in bert.rules
+    assert "gathered at bert.encoder.layer.1's output" in bert.describe()
+    mlm = _plan("bert_mlm", SP_LP).rules
+    assert mlm["cls.predictions.decoder"].vocab_output
+    assert mlm["cls.predictions.decoder"].sequence == ""  # behind the whole-stream transform
+    assert "cls.predictions.transform.LayerNorm" not in mlm
+
+
+class GlueBetweenBlocks(torch.nn.Module):
+    """Two blocks with a position-dependent scale between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+            for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.blocks[0](x)
+        x = x * torch.linspace(0.5, 1.5, x.shape[1])[None, :, None]
+        return x + self.blocks[1](x)
+
+
+def test_glue_between_two_blocks_is_refused_naming_them():
     with pytest.raises(TargetNotSupportedError, match="sequence_parallel=true") as caught:
-        _plan(name, SP)
-    assert says in str(caught.value)
+        retarget.compile_for(
+            GlueBetweenBlocks(), SP, example_inputs=torch.randn(2, 4, 8), world_size=2
+        )
+    assert "the input of block 'blocks.1' is not the output of block 'blocks.0'" in str(
+        caught.value
+    )
 
 
 def test_sequence_parallel_with_a_hand_plan_is_refused():

@@ -21,10 +21,12 @@ STEPS = 20
 LR = 0.05
 
 
-def _example(kind: str) -> Any:
+def _example(kind: str, world: int = 4) -> Any:
+    """Example inputs with the rows each rank steps on (ROWS over the dp groups of a world of
+    tp pairs), so the split blocks' graphs captured at compile_for serve the steps."""
     from tests import tp_models as tm
 
-    batch = tm.batch_for(kind, 2, seed=9)
+    batch = tm.batch_for(kind, ROWS // max(world // 2, 1), seed=9)
     return batch["x"] if kind == "vector" else batch
 
 
@@ -60,7 +62,7 @@ def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str,
         expected = tm.loss_of(reference, batch)
         expected.backward()
         spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
+        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
         out[name] = step_errors(rank, world, compiled, batch, reference, expected)
     return out
 
@@ -98,7 +100,7 @@ def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[s
         reference = build()
         tm.loss_of(reference, batch).backward()
         spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
+        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
         run = compiled.runtime
         mine = _rows(batch, rank // 2, world // 2)
         for row in range(2):
@@ -117,7 +119,7 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
     reference = build()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-    compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
+    compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
     run = compiled.runtime
     optimizer = run.prepare(torch.optim.SGD(compiled.parameters(), lr=LR))
     losses, norms = [], []
@@ -172,7 +174,7 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
 
     def fresh() -> tuple[Any, Any]:
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind))
+        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
         return compiled, torch.optim.Adam(compiled.parameters(), lr=1e-3)
 
     def steps(compiled: Any, optimizer: Any, seeds: range) -> None:
@@ -219,7 +221,7 @@ def _bf16_ac(rank: int, world: int, name: str, plan: str = "") -> dict[str, Any]
     expected = tm.loss_of(build(), batch).item()
     plan = plan or f"tests.tp_models:{name.upper()}_2"
     target = f"fsdp+tp[size=2,plan={plan}]+bf16+ac"
-    compiled = retarget.compile_for(build(), target, example_inputs=_example("lm"))
+    compiled = retarget.compile_for(build(), target, example_inputs=_example("lm", world))
     loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
     loss.backward()
     total = loss.detach().float().clone()
