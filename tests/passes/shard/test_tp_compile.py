@@ -146,8 +146,9 @@ def _low_precision(rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(total)
         loss_error = abs(total.item() / world - expected.item())
         regions = _regions(compiled)
-        text = str(compiled.report)
-        out[name] = (loss_error, gradient_error(compiled, reference), regions, text)
+        graph = compiled.program.regions[0].representative()
+        code = graph.gm.code if graph is not None else ""
+        out[name] = (loss_error, gradient_error(compiled, reference), regions, code)
     return out
 
 
@@ -156,14 +157,15 @@ def test_two_ranks_tp_bf16_ac_compile_within_bf16_tolerances():
     from tests.passes.precision.test_insert_autocast import GRAD_RTOL_DEFAULT, LOSS_ATOL
 
     for by_model in run_ranks(_low_precision, 2):
-        for name, (loss_error, grad_error, regions, text) in by_model.items():
+        for name, (loss_error, grad_error, regions, code) in by_model.items():
             assert loss_error <= LOSS_ATOL, (name, loss_error)
             assert 1e-5 < grad_error <= GRAD_RTOL_DEFAULT, (name, grad_error)
             for region in regions:
                 assert region["frontend"] == "dynamo", (name, region)
                 assert region["compile"]["compiles"] == 1, (name, region)
-            # The autocast islands and the checkpointing were replayed on the split graph.
-            assert "insert_autocast" in text and "checkpoint_blocks" in text, name
+            # The autocast islands were replayed on the graph captured after the split: it
+            # casts to bfloat16 around the DTensor matmuls the styles put there.
+            assert "torch.bfloat16" in code and "redistribute" in code, name
 
 
 @torch.compiler.disable
