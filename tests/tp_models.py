@@ -124,33 +124,27 @@ def gpt2() -> nn.Module:
     return _dropout_off(model)
 
 
-def bert() -> nn.Module:
+def _bert_config(**extra: object) -> BertConfig:
     torch.manual_seed(0)
-    config = BertConfig(
+    return BertConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         intermediate_size=INTER,
         max_position_embeddings=64,
-        num_labels=3,
+        **extra,
     )
-    return _dropout_off(BertForSequenceClassification(config))
+
+
+def bert() -> nn.Module:
+    return _dropout_off(BertForSequenceClassification(_bert_config(num_labels=3)))
 
 
 def bert_mlm() -> nn.Module:
     """BERT with its masked-LM head (tied to the word embeddings): the head sits behind a
     prediction transform (dense, GELU, LayerNorm) that runs on the whole stream."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=INTER,
-        max_position_embeddings=64,
-    )
-    return _dropout_off(BertForMaskedLM(config))
+    return _dropout_off(BertForMaskedLM(_bert_config()))
 
 
 class Mlp(nn.Module):

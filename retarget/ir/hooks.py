@@ -114,9 +114,15 @@ def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
     finally:
         for hooks, users in parked:
             _PARKED.pop(id(hooks), None)
-            merged = sorted([*hooks.items(), *users], key=lambda item: item[0])
-            hooks.clear()
-            hooks.update(OrderedDict(merged))
+            _put_back(hooks, users)
+
+
+def _put_back(hooks: dict, parked: list[tuple[int, Any]]) -> None:
+    """Return parked hooks to their dict in registration order (handle ids), beside any
+    registered meanwhile."""
+    merged = sorted([*hooks.items(), *parked], key=lambda item: item[0])
+    hooks.clear()
+    hooks.update(OrderedDict(merged))
 
 
 @contextlib.contextmanager
@@ -140,9 +146,7 @@ def own_forward_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
         yield
     finally:
         for hooks, items in parked:
-            merged = sorted([*hooks.items(), *items], key=lambda item: item[0])
-            hooks.clear()
-            hooks.update(OrderedDict(merged))
+            _put_back(hooks, items)
 
 
 __all__ = [

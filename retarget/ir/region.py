@@ -41,6 +41,7 @@ from retarget.ir.call_key import (
 from retarget.ir.hooks import hook_inside, own_forward_hooks_set_aside, users_hooks_set_aside
 
 PENDING = "pending"
+_RECAPTURE_FAILED = ("recapture",)  # the warning key of a failed capture after `recapture`
 GraphTransform = Callable[[fx.GraphModule], None]
 #: Wraps a module's eager forward: the module-level form of a rewrite, for calls without a graph.
 EagerForm = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -123,16 +124,16 @@ class Region:
         self.capture_seconds += result.seconds
         if result.graph is None:
             if not self.graphs:
-                if self.recaptured:  # compile_for warned of the first capture, not of this one
+                if self.recaptured:  # compile_for warns of the regions it leaves eager
                     self._warn_once(
-                        ("recapture",),
+                        _RECAPTURE_FAILED,
                         f"retarget: region {self.name} could not be captured again "
                         f"({result.reason}) and runs its eager form; compiled.report shows it",
                     )
                 self.frontend, self.eager_only = EAGER, True
                 self.failures = result.failures
                 self.reason = (
-                    f"{self.reason}; then {result.reason}" if self.recaptured else (result.reason)
+                    f"{self.reason}; then {result.reason}" if self.recaptured else result.reason
                 )
             else:  # a later signature: the region keeps its graphs, this call runs eagerly
                 self.eager_signatures.append(result.reason)
@@ -169,6 +170,11 @@ class Region:
         self.failed_graphs.clear()
         self.ran_graphs.clear()
         self.version += 1
+
+    def captured_by_compile_for(self) -> None:
+        """compile_for makes the first call after `recapture` itself and warns of a region it
+        leaves eager (driver.compile.warn_eager_regions): no second warning here."""
+        self.warned.add(_RECAPTURE_FAILED)
 
     def run_eager_form(self, reason: str) -> None:
         """No graph from now on: every call runs the eager form (every rewrite's module-level

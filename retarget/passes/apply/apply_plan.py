@@ -74,8 +74,8 @@ def capture_split_regions(program: Program) -> None:
     graph is refused."""
     example = program.example
     split = regions_holding_split_modules(program, program.plan.tp)
-    for region in split:  # compile_for itself warns of a region left eager now
-        region.warned.add(("recapture",))
+    for region in split:
+        region.captured_by_compile_for()
     with preserved_state(program.module), torch.enable_grad():
         program.module(*example.args, **example.kwargs)
     if "compile" not in program.target or program.plan.tp.sequence_parallel:

@@ -126,7 +126,7 @@ class ShardTp(Pass):
         options = self.options
         _refuse_unimplemented(options)
         if options.async_tp:
-            refuse_async_tp_where_it_cannot_run(program)
+            refuse_async_tp_where_it_cannot_run(program, options)
         quantized = [p for p, m in program.module.named_modules() if isinstance(m, QuantizedLinear)]
         if quantized:
             raise TargetNotSupportedError(
@@ -161,7 +161,7 @@ def _refuse_unimplemented(options: TpOptions) -> None:
             )
 
 
-def refuse_async_tp_where_it_cannot_run(program: Program) -> None:
+def refuse_async_tp_where_it_cannot_run(program: Program, options: TpOptions) -> None:
     """Async TP is inductor's rewrite of the sequence-parallel all-gather + matmul (and matmul +
     reduce-scatter) pairs into micro-pipelined kernels over CUDA symmetric memory: without CUDA
     parameters, inductor or sequence parallelism there is nothing it can do, so it is refused
@@ -174,7 +174,7 @@ def refuse_async_tp_where_it_cannot_run(program: Program) -> None:
         why = f"it needs CUDA (symmetric memory); the model's parameters are on {sorted(devices)}"
     elif compile_part.get("backend", "").lower() != "inductor":
         why = "inductor does the overlap: add compile[backend=inductor]"
-    elif not target.get("tp").as_dict()["sequence_parallel"]:
+    elif not options.sequence_parallel:
         why = "it overlaps the sequence all-gathers: add sequence_parallel=true"
     if why:
         raise TargetNotSupportedError(f"tp[async_tp=true]: {why}; or drop async_tp")

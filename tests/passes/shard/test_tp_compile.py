@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_ranks
+from tests.passes.shard.test_tp_training import gradient_errors
 
 MODELS = ("llama", "qwen2", "gpt_neox", "gpt2", "mistral", "phi3", "falcon")
 ROWS = 4
@@ -48,17 +49,6 @@ def batch(rows: int = ROWS) -> dict[str, torch.Tensor]:
 
     ids = torch.randint(3, am.VOCAB, (rows, am.SEQ), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def gradient_error(compiled: nn.Module, reference: nn.Module) -> float:
-    """Largest |grad - reference grad| over the model's largest reference gradient."""
-    refs = dict(reference.named_parameters())
-    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    worst = 0.0
-    for name, param in compiled.named_parameters():
-        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        worst = max(worst, (grad - refs[name].grad).abs().max().item() / scale)
-    return worst
 
 
 def _regions(compiled: nn.Module) -> list[dict[str, Any]]:
@@ -92,7 +82,7 @@ def _step(rank: int, world: int, target: str, names: tuple[str, ...]) -> dict[st
         dist.all_reduce(total)
         loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
         split = sum(hasattr(p, "placements") for p in compiled.parameters())
-        out[name] = (loss_error, gradient_error(compiled, reference), split, _regions(compiled))
+        out[name] = (loss_error, gradient_errors(compiled, reference), split, _regions(compiled))
     return out
 
 
@@ -148,7 +138,7 @@ def _low_precision(rank: int, world: int) -> dict[str, Any]:
         regions = _regions(compiled)
         graph = compiled.program.regions[0].representative()
         code = graph.gm.code if graph is not None else ""
-        out[name] = (loss_error, gradient_error(compiled, reference), regions, code)
+        out[name] = (loss_error, gradient_errors(compiled, reference), regions, code)
     return out
 
 

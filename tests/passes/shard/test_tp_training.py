@@ -30,7 +30,7 @@ def _example(kind: str, world: int = 4) -> Any:
     return batch["x"] if kind == "vector" else batch
 
 
-def _gradient_errors(compiled: Any, reference: torch.nn.Module) -> float:
+def gradient_errors(compiled: Any, reference: torch.nn.Module) -> float:
     """Largest |grad - reference grad| over the parameter's largest reference gradient (or, for
     one whose reference gradient is ~0, 1e-3 of the model's largest: a key bias)."""
     refs = dict(reference.named_parameters())
@@ -84,7 +84,7 @@ def step_errors(
     dist.all_reduce(total)
     loss_error = abs(total.item() / world - expected.item()) / abs(expected.item())
     split = sum(hasattr(p, "placements") for p in compiled.parameters())
-    return loss_error, _gradient_errors(compiled, reference), split
+    return loss_error, gradient_errors(compiled, reference), split
 
 
 def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[str, float]:
@@ -106,7 +106,7 @@ def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[s
         for row in range(2):
             with run.accumulate(2):
                 run.backward(tm.loss_of(compiled, {k: v[row : row + 1] for k, v in mine.items()}))
-        out[name] = _gradient_errors(compiled, reference)
+        out[name] = gradient_errors(compiled, reference)
     return out
 
 
