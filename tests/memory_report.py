@@ -1,4 +1,4 @@
-"""Resident memory of the test run: the peak of each test file, and of the whole run, checked.
+"""Resident memory and time of the test run: per-file peaks and seconds, the run's peak, checked.
 
 A fresh machine's CI was killed by the kernel at 23.8 GB (a sweep that built 144 models in one
 process). This plugin makes the suite's memory a number CI prints and checks: before each test
@@ -8,6 +8,8 @@ under it, not what earlier files left. The end of the run prints the run's peak,
 the largest files, and fails the run when the peak or a file's peak passes its limit
 (`RETARGET_TEST_RSS_LIMIT_GB`, `RETARGET_TEST_FILE_RSS_LIMIT_GB`; 8 and 4 by default).
 Subprocesses (the ranks of distributed tests) are measured apart: the largest one is printed.
+The slowest files are printed too (wall time from a file's first test to the next file's), so a
+CI log says where its minutes went.
 
 Where /proc is missing (not Linux), nothing is measured and nothing is checked.
 """
@@ -54,6 +56,9 @@ class MemoryReport:
         self.started = time.monotonic()
         self.file: str | None = None
         self.peaks: dict[str, int] = {}
+        #: Wall seconds per test file, from its first test's setup to the next file's.
+        self.seconds: dict[str, float] = {}
+        self.entered = time.monotonic()
         #: Start-up and collection (importing every test module), read at the first test.
         self.collection_peak: int | None = None
         self.measured = _status_bytes("VmHWM") is not None
@@ -69,6 +74,10 @@ class MemoryReport:
         _reset_peak()
 
     def close(self) -> None:
+        now = time.monotonic()
+        if self.file is not None:
+            self.seconds[self.file] = self.seconds.get(self.file, 0.0) + now - self.entered
+        self.entered = now
         if self.file is not None and self.measured:
             peak = _status_bytes("VmHWM") or 0
             self.peaks[self.file] = max(peak, self.peaks.get(self.file, 0))
@@ -77,10 +86,19 @@ class MemoryReport:
     def run_peak(self) -> int:
         return max([self.collection_peak or 0, *self.peaks.values()])
 
+    def slowest_line(self, top: int = 12) -> str:
+        slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:top]
+        return "slowest test files (seconds): " + ", ".join(
+            f"{Path(f).name} {s:.0f}" for f, s in slowest
+        )
+
     def lines(self, top: int = 5) -> list[str]:
         minutes, seconds = divmod(time.monotonic() - self.started, 60)
         if not self.measured:
-            return [f"test run: {int(minutes)}:{seconds:04.1f}; resident memory not measured here"]
+            return [
+                f"test run: {int(minutes)}:{seconds:04.1f}; resident memory not measured here",
+                self.slowest_line(),
+            ]
         children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         largest = sorted(self.peaks.items(), key=lambda kv: -kv[1])[:top]
         limit = _limit("RETARGET_TEST_RSS_LIMIT_GB", 8)
@@ -91,6 +109,7 @@ class MemoryReport:
             f"{children / GIB:.2f} GiB",
             "largest test files (peak resident memory while each ran): "
             + ", ".join(f"{Path(f).name} {b / GIB:.2f}" for f, b in largest),
+            self.slowest_line(),
         ]
 
     def over_limits(self) -> list[str]:

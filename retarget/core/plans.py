@@ -387,6 +387,9 @@ class PpPlan:
     """The block each stage after the first begins with (torch's SplitPoint.BEGINNING)."""
     microbatch_rows: int = 0
     """Rows per microbatch of the example batch (every batch must have this many rows x M)."""
+    tied: tuple[tuple[str, ...], ...] = ()
+    """Names of each weight shared by several modules (an LM head tied to the embedding):
+    every stage using it holds it, and their gradients are summed after each step."""
 
     @property
     def bubble(self) -> float:
@@ -406,6 +409,7 @@ class PpPlan:
             f"{len(self.stages)} stages of {', '.join(str(len(s.blocks)) for s in self.stages)} "
             f"blocks; imbalance (max / mean stage FLOPs) {self.imbalance:.2f}; bubble "
             f"{self.bubble:.0%}"
+            + "".join(f"; {' = '.join(names)} tied (gradients summed)" for names in self.tied)
         )
 
 

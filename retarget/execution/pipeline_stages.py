@@ -19,6 +19,20 @@ the received values a later stage reads, and each stage reads them from the one 
 every value goes to the next stage only (their gradients, which no weight needs, travel back
 the same way).
 
+torch's split gives a weight used by two stages (an LM head tied to the embedding) a copy in
+each stage after the first, which no optimizer on `compiled.parameters()` would step.
+`use_original_parameters` puts the model's own Parameter back in every stage module, so each
+rank's gradient lands on it; after the schedule's step the gradients of such a weight are
+summed over the ranks whose stages use it (`PipelineRun.tied`), the same sum one process makes,
+so the copies on those ranks take the same steps and stay equal. Its norm is counted once, on
+the first of them, when `clip_grad_norm_` combines the stages' norms.
+
+Every rank holds the whole model, but only its stage's weights train there: the others keep
+their initial values. `PipelineRun.held` says which tensors are this rank's to save (its
+stage's parameters and buffers; the first stage also any that no stage reads), and
+`held_keys` names them in a state dict: save_state writes each stage's part from its own rank,
+save_model gathers the parts on rank 0.
+
 `PipelineRun.forward_backward(batch)` is the training call (`compiled.runtime.forward_backward`):
 every rank calls it with the same batch; it returns the batch's mean loss on every rank (the
 last stage's, broadcast). A plain call of the compiled model would run one stage: it is
@@ -28,6 +42,7 @@ refused, naming forward_backward and unwrap().
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,14 +64,58 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+@dataclass(frozen=True)
+class TiedWeight:
+    """A weight several stages use: the ranks running them and a process group of those ranks."""
+
+    param: nn.Parameter
+    ranks: tuple[int, ...]
+    group: Any
+
+
 class PipelineRun:
     """This rank's stage and the schedule that drives it."""
 
-    def __init__(self, plan: PpPlan, schedule: Any, rank: int, group: Any):
+    def __init__(
+        self,
+        plan: PpPlan,
+        schedule: Any,
+        rank: int,
+        group: Any,
+        held: frozenset[int],
+        tied: list[TiedWeight],
+    ):
         self.plan = plan
         self.schedule = schedule
         self.rank = rank
         self.group = group
+        #: Storage addresses (data_ptr) of the tensors this rank's stage owns (module docstring).
+        self.held = held
+        #: The weights several stages use, with the ranks that use them.
+        self.tied = tied
+
+    def counted(self, params: list[Tensor]) -> list[Tensor]:
+        """`params` without the tied weights whose norm another rank counts (the first rank
+        using one counts it)."""
+        elsewhere = {id(t.param) for t in self.tied if t.ranks[0] != self.rank}
+        return [p for p in params if id(p) not in elsewhere]
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradient of each tied weight over the ranks whose stages use it."""
+        for tied in self.tied:
+            if self.rank not in tied.ranks:
+                continue
+            if tied.param.grad is None:
+                tied.param.grad = torch.zeros_like(tied.param)
+            dist.all_reduce(tied.param.grad, group=tied.group)
+
+    def held_keys(self, module: nn.Module) -> set[str]:
+        """The keys of `module`'s state dict whose tensors this rank's stage owns."""
+        return {
+            key
+            for key, tensor in module.state_dict(keep_vars=True).items()
+            if isinstance(tensor, Tensor) and tensor.data_ptr() in self.held
+        }
 
     @property
     def first(self) -> bool:
@@ -87,6 +146,7 @@ class PipelineRun:
             self.schedule.step(target=labels, losses=losses)
         else:
             self.schedule.step()
+        self.sum_tied_gradients()
         loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
         loss = loss.to(torch.float32)
         dist.broadcast(
@@ -154,6 +214,10 @@ def apply_pipeline(
         split_spec={f"model.{path}": SplitPoint.BEGINNING for path in plan.split_points},
     )
     chain_skips(traced)
+    # Before build_stage, which drops the other stages' modules from the split.
+    used = use_original_parameters(traced, original, plan.size)
+    tied = _tied_weights(used)
+    held = _held_storage(traced, plan.size, state.rank, original)
     stage = traced.build_stage(state.rank, state.device, group)
     vocab = original.config.vocab_size
 
@@ -163,7 +227,59 @@ def apply_pipeline(
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
     schedule = schedule_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    return PipelineRun(plan, schedule, state.rank, group)
+    return PipelineRun(plan, schedule, state.rank, group, held, tied)
+
+
+def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
+    """Put `original`'s own Parameter objects in every stage module where torch's split left a
+    copy (a weight two stages use); per stage, the original parameters it uses (by id)."""
+    originals = dict(original.named_parameters(remove_duplicate=False))
+    used: list[dict[int, Any]] = []
+    for k in range(stages):
+        module = traced.get_stage_module(k)
+        mine: dict[int, Any] = {}
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            own = originals.get(name.removeprefix("model."))  # the _Logits wrapper's prefix
+            if own is None:
+                continue
+            if param is not own:
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, own)
+            mine[id(own)] = own
+        used.append(mine)
+    return used
+
+
+def _tied_weights(used: list[dict[int, Any]]) -> list[TiedWeight]:
+    """The weights more than one stage uses, each with a process group of its ranks (made on
+    every rank, in the same order: new_group is collective)."""
+    ranks: dict[int, list[int]] = {}
+    params: dict[int, Any] = {}
+    for stage, mine in enumerate(used):
+        for key, param in mine.items():
+            ranks.setdefault(key, []).append(stage)
+            params[key] = param
+    tied = []
+    for key, stages in ranks.items():
+        if len(stages) > 1:
+            group = dist.new_group(stages)
+            tied.append(TiedWeight(params[key], tuple(stages), group))
+    return tied
+
+
+def _held_storage(traced: Any, stages: int, rank: int, original: nn.Module) -> frozenset[int]:
+    """The storage of the tensors rank `rank` saves: its stage's parameters and buffers; on the
+    first stage also those of `original` that no stage holds (an unused weight)."""
+
+    def storage(module: nn.Module) -> set[int]:
+        tensors = [*module.parameters(), *module.buffers()]
+        return {t.data_ptr() for t in tensors if t.numel()}
+
+    parts = [storage(traced.get_stage_module(k)) for k in range(stages)]
+    held = parts[rank]
+    if rank == 0:
+        held |= storage(original) - set().union(*parts)
+    return frozenset(held)
 
 
 def _refuse(plan: PpPlan, *args: Any, **kwargs: Any) -> Any:

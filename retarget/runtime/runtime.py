@@ -70,6 +70,7 @@ from retarget.runtime.step import (
     HeldGradients,
     Window,
     clip_grad_norm,
+    clip_grad_norm_over_stages,
     clip_grad_value,
     gradient_sync,
     scale_gradients,
@@ -322,6 +323,10 @@ class Runtime(ProcessStateFacade):
             return None
         params = _tensors(parameters)
         self._unscale_for(params)
+        if self.applied is not None and self.applied.pipeline is not None:
+            pipeline = self.applied.pipeline
+            counted = pipeline.counted(params)
+            return clip_grad_norm_over_stages(params, max_norm, norm_type, pipeline.group, counted)
         return clip_grad_norm(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:

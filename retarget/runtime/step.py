@@ -139,6 +139,38 @@ def clip_grad_norm(
     return total
 
 
+def clip_grad_norm_over_stages(
+    params: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: Any,
+    counted: list[torch.Tensor],
+) -> torch.Tensor:
+    """Clip to the whole model's norm under pp, where each rank holds its stage's gradients
+    only: the norms of `counted` (the parameters whose norm this rank counts: a weight tied
+    across stages is counted on one of them) are combined over the pipeline's process group (a
+    sum of p-th powers, or the max for the inf-norm), so every stage clips by the same factor,
+    the one a single process would use."""
+    import math
+
+    import torch.distributed as dist
+
+    held = [p for p in params if p.grad is not None]
+    mine = [p.grad for p in counted if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(mine, norm_type) if mine else torch.zeros(())
+    local = local.to(torch.float32)
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        powered = local**norm_type
+        dist.all_reduce(powered, group=group)
+        total = powered ** (1.0 / norm_type)
+    if held:
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, total)
+    return total
+
+
 def _mesh_key(grad: torch.Tensor) -> Any:
     mesh = getattr(grad, "device_mesh", None)
     return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)

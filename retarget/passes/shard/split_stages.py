@@ -10,13 +10,14 @@ and the glue after them (final norm, head, loss) with the last. `balance` choose
 that minimise the largest stage's FLOPs (an exact search over the cut points), counting the
 head's FLOPs on the last stage. The record (`plan.pp`, a `PpPlan`) holds the stages, their
 estimated cost, the imbalance (max / mean) and the schedule's bubble (p-1)/(m+p-1); the report
-and `retarget inspect --target "pp[size=4]" --world-size 4` print it in one process.
+and `retarget inspect --target "pp[size=4]" --world-size 4` print it in one process. Weights
+shared by several modules (an LM head tied to the embedding) are recorded (`PpPlan.tied`):
+every stage that uses one holds it and their gradients are summed (execution/pipeline_stages).
 
 Refused before anything runs, naming the value: a degree that is not the world (pp runs alone
 so far), fewer blocks than stages, no repeated blocks, a microbatch count that does not divide
-the example's rows, weights tied across stages (an LM head tied to the embedding), the
-interleaved and zero-bubble schedules (not yet), no example inputs (the stages are traced on a
-microbatch of it).
+the example's rows, the interleaved and zero-bubble schedules (not yet), no example inputs
+(the stages are traced on a microbatch of it).
 
 Numerics: torch's schedules average the microbatches' gradients; with equal token counts per
 microbatch that is the whole batch's mean to float32 rounding.
@@ -115,7 +116,7 @@ class SplitStages(Pass):
                 f"{where}: the model has {len(blocks)} repeated blocks ({blocks[0]} ...), fewer "
                 f"than the {size} stages; use pp[size={len(blocks)}] or fewer"
             )
-        _refuse_tied(program, blocks, where)
+        tied = _tied(program)
         if not hasattr(program.original, "loss_function"):
             raise TargetNotSupportedError(
                 f"{where}: {type(program.original).__name__} has no loss_function; the last "
@@ -157,6 +158,7 @@ class SplitStages(Pass):
             stages=stages,
             split_points=tuple(s.blocks[0] for s in stages[1:]),
             microbatch_rows=rows // microbatches,
+            tied=tied,
         )
         stats = {"stages": size, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
@@ -181,17 +183,11 @@ def _flops(program: Program, path: str) -> int:
     return 1
 
 
-def _refuse_tied(program: Program, blocks: list[str], where: str) -> None:
-    """Refuse a parameter used both outside the blocks and by another stage's modules: an LM
-    head tied to the input embedding sits on the first and the last stage."""
+def _tied(program: Program) -> tuple[tuple[str, ...], ...]:
+    """The names of each parameter shared by several modules (an LM head tied to the input
+    embedding sits on the first and the last stage)."""
     owners: dict[int, list[str]] = {}
     for name, module in program.original.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append(f"{name}.{pname}" if name else pname)
-    for names in owners.values():
-        if len(names) > 1:
-            raise TargetNotSupportedError(
-                f"{where}: {names[0]} is tied to {names[1]}; weights shared across stages "
-                "(an LM head tied to the embedding) are not supported yet: untie them "
-                "(config.tie_word_embeddings=False) or drop pp"
-            )
+    return tuple(tuple(names) for names in owners.values() if len(names) > 1)

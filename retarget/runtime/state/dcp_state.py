@@ -6,6 +6,12 @@ parts, whole, since DCP's planner cannot place strided pieces); `model_state.jso
 the model and optimizer state dicts (learning rates, betas, parameter names) with references to
 the tensors. Loading fills templates built from the live objects, so the model must be built as
 it was saved.
+
+Under pp every rank holds the whole model but trains only its stage: each rank writes its
+stage's tensors (`PipelineRun.held_keys`; the optimizer has state for those only), and
+`model_state.json` keeps one skeleton per rank (`rank_skeletons`), since each rank's tree
+names other tensors. Loading fills each rank's stage (the other weights are not this rank's);
+such a checkpoint loads on the same number of ranks only.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -28,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
 from retarget.runtime.state.checkpoint_objects import CheckpointObjects
 from retarget.runtime.state.codec import decode, encode, tensor_names
@@ -43,18 +52,54 @@ def save_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
     tensors = {k: v.full_tensor() if _strided(v) else v for k, v in tensors.items()}
     with _dcp_context(state):
         dcp.save(tensors, checkpoint_id=folder / "model", no_dist=not state.distributed)
+    written: dict[str, Any] = {"skeleton": skeleton, "fresh_optimizers": fresh}
+    if any(_stage_keys(model) is not None for model in objects.models):
+        everyone = [None] * state.world_size
+        dist.all_gather_object(everyone, skeleton)
+        written["rank_skeletons"] = everyone
+        sharded = True
     if state.is_main_process:
         with open(folder / "model_state.json", "w") as f:
-            json.dump({"skeleton": skeleton, "fresh_optimizers": fresh}, f)
+            json.dump(written, f)
     return sharded
+
+
+def _stage_keys(model: torch.nn.Module) -> set[str] | None:
+    """Under pp, the state dict keys this rank's stage owns; else None (every key)."""
+    applied = applied_of(model)
+    if applied is None or applied.pipeline is None:
+        return None
+    return applied.pipeline.held_keys(model)
+
+
+def _own_part(model: torch.nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    keys = _stage_keys(model)
+    if keys is None:
+        return state_dict
+    return {k: v for k, v in state_dict.items() if k in keys}
+
+
+def _own_state(model: torch.nn.Module, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with the state of this rank's stage's parameters only (a fresh
+    optimizer given to torch's get_state_dict is filled for every parameter)."""
+    return {**optim_state_dict, "state": _own_part(model, optim_state_dict["state"])}
 
 
 def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessState) -> None:
     """Model and optimizer state through DCP, into templates built from the live objects."""
     saved = json.loads((folder / "model_state.json").read_text())
     fresh = saved["fresh_optimizers"]
+    skeleton = saved["skeleton"]
+    if "rank_skeletons" in saved:
+        if len(saved["rank_skeletons"]) != state.world_size:
+            raise CheckpointError(
+                f"{folder} was saved by {len(saved['rank_skeletons'])} pipeline stages and this "
+                f"run has {state.world_size} ranks: a pp checkpoint loads on as many ranks (and "
+                "the same pp[size]) as saved it"
+            )
+        skeleton = saved["rank_skeletons"][state.rank]
     _, tensors = encode({"models": _model_trees(objects, fresh)}, where="model/optimizer state")
-    _check_tensor_names(folder, tensor_names(saved["skeleton"]), set(tensors))
+    _check_tensor_names(folder, tensor_names(skeleton), set(tensors))
     _check_tensor_shapes(folder, tensors)
     strided = {k: v for k, v in tensors.items() if _strided(v)}
     tensors.update({k: torch.empty(v.shape, dtype=v.dtype) for k, v in strided.items()})
@@ -65,16 +110,22 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
         tensors[key] = distribute_tensor(
             whole, live.device_mesh, live.placements, src_data_rank=None
         )
-    trees = decode(saved["skeleton"], tensors)["models"]
+    trees = decode(skeleton, tensors)["models"]
     groups = zip(objects.models, objects.optimizers, fresh, trees, strict=True)
     for model, group, flags, tree in groups:
         stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
+        # A pp stage loads its own part only (module docstring).
+        options = StateDictOptions(strict=_stage_keys(model) is None)
         if stepped:
             set_state_dict(
-                model, stepped, model_state_dict=tree["model"], optim_state_dict=tree["optim"]
+                model,
+                stepped,
+                model_state_dict=tree["model"],
+                optim_state_dict=tree["optim"],
+                options=options,
             )
         else:
-            set_model_state_dict(model, tree["model"])
+            set_model_state_dict(model, tree["model"], options=options)
         stateless = [opt for opt, was_fresh in zip(group, flags, strict=True) if was_fresh]
         # `groups` is missing in a checkpoint written before hyperparameters were saved
         saved_groups = tree.get("groups") or [None] * len(stateless)
@@ -98,9 +149,9 @@ def _model_trees(objects: CheckpointObjects, fresh: list[list[bool]]) -> list[di
         stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
         if stepped:
             model_sd, optim_sd = get_state_dict(model, stepped)
-            tree = {"model": model_sd, "optim": optim_sd}
+            tree = {"model": _own_part(model, model_sd), "optim": _own_state(model, optim_sd)}
         else:
-            tree = {"model": get_model_state_dict(model)}
+            tree = {"model": _own_part(model, get_model_state_dict(model))}
         stateless = [opt for opt, was_fresh in zip(group, flags, strict=True) if was_fresh]
         tree["groups"] = [_hyperparameters(opt) for opt in stateless]
         trees.append(tree)

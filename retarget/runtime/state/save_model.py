@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
+from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
 from retarget.kernels.quant.formats import dequantize
 from retarget.kernels.quant.linear import QuantizedLinear
@@ -83,9 +85,26 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Under FSDP the shards are gathered: every rank must call it, and only rank 0 receives
     the tensors (the others get an empty dict, so that N full copies never exist at once).
+    Under pp each stage's trained tensors are its own rank's (every rank holds the whole
+    model, the other stages' weights as they were built): rank 0 receives each rank's part.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    full = get_model_state_dict(model, options=options)
+    applied = applied_of(model)
+    if applied is None or applied.pipeline is None:
+        return full
+    # torch's full state dict reaches rank 0 only: each rank reads its own part itself.
+    plain = _peel(model)
+    keys = applied.pipeline.held_keys(plain)
+    own = {k: v.detach().cpu() for k, v in plain.state_dict().items() if k in keys}
+    state = ProcessState.current()
+    parts: list[Any] | None = [None] * state.world_size if state.is_main_process else None
+    dist.gather_object(own, parts, dst=0)
+    if parts is None:
+        return {}
+    for part in parts:
+        full.update(part)
+    return full
 
 
 def dequantized(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,11 +1,14 @@
 """pp (pipeline parallelism) against one process, for transformers causal LMs at their default
 configs (sizes shrunk, dropout off).
 
-- 2 gloo ranks, schedules gpipe and 1f1b on a 4-layer Llama (GQA): the loss every rank gets
+- 2 gloo ranks, schedules gpipe and 1f1b on a 4-layer Llama (GQA), Qwen2 with its head tied to
+  the embedding and GPT-2 (tied, learned positions): the loss every rank gets
   from `runtime.forward_backward` equals one process's within 1e-5 relative, every parameter's
   gradient lives on exactly one rank and equals one process's within 1e-5 relative (of its
   largest entry); 20 SGD steps track one process's losses within 1e-4; a plain call is refused
-  naming forward_backward and unwrap(); the loader is not divided (every stage reads the batch).
+  naming forward_backward and unwrap(); the loader is not divided (every stage reads the batch);
+  save_state / load_state resume bit for bit (each stage saves its own part) and save_model
+  writes every stage's trained tensors.
 - 4 gloo ranks, both schedules, an 8-layer Llama: the same agreement (the rotary cos/sin and
   mask made before the blocks reach every stage through the stages in between).
 - One process: the stage plan for 4 ranks (balanced by FLOPs, the head on the last stage),
@@ -46,6 +49,48 @@ def llama(layers: int = 4, tied: bool = False) -> torch.nn.Module:
     return LlamaForCausalLM(config).train()
 
 
+def qwen2_tied() -> torch.nn.Module:
+    """Qwen2 with its LM head tied to the embedding: the weight sits on the first and the last
+    stage."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).train()
+
+
+def gpt2() -> torch.nn.Module:
+    """GPT-2 at its defaults (tied head, learned positions), dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=zoo.VOCAB,
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=zoo.VOCAB - 1,
+        eos_token_id=zoo.VOCAB - 1,
+    )
+    return GPT2LMHeadModel(config).train()
+
+
+MODELS = {"llama": llama, "qwen2_tied": qwen2_tied, "gpt2": gpt2}
+
+
 def llama8() -> torch.nn.Module:
     """For `retarget inspect tests.passes.shard.test_pipeline_parallel:llama8`."""
     return llama(8)
@@ -56,14 +101,16 @@ def batch(seed: int = 1, rows: int = ROWS) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _one_step(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
+def _one_step(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    """One forward_backward per (model, schedule) against one process; each rank's gradients."""
     out = {}
-    for schedule in schedules:
+    for name, schedule in cases:
+        build = MODELS[name]
         data = batch()
-        reference = llama()
+        reference = build()
         expected = reference(**data).loss
         expected.backward()
-        compiled = retarget.compile_for(llama(), f"pp[schedule={schedule}]", example_inputs=data)
+        compiled = retarget.compile_for(build(), f"pp[schedule={schedule}]", example_inputs=data)
         loss = compiled.runtime.forward_backward(data)
         grads = dict(reference.named_parameters())
         errors = {
@@ -76,7 +123,7 @@ def _one_step(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
             refused = ""
         except RuntimeError as error:
             refused = str(error)
-        out[schedule] = {
+        out[f"{name} {schedule}"] = {
             "loss_error": abs(float(loss) - float(expected)) / abs(float(expected)),
             "errors": errors,
             "refused": refused,
@@ -90,45 +137,132 @@ def _one_step(rank: int, world: int, schedules: list[str]) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_two_stages_equal_one_process_for_gpipe_and_1f1b():
-    by_rank = run_ranks(_one_step, 2, ["gpipe", "1f1b"], timeout=300)
-    names = {name for name, _ in llama().named_parameters()}
-    for schedule in ("gpipe", "1f1b"):
-        results = [r[schedule] for r in by_rank]
+    cases = [("llama", "gpipe"), ("llama", "1f1b"), ("qwen2_tied", "1f1b"), ("gpt2", "gpipe")]
+    by_rank = run_ranks(_one_step, 2, cases, timeout=300)
+    for name, schedule in cases:
+        key = f"{name} {schedule}"
+        results = [r[key] for r in by_rank]
         held = [set(r["errors"]) for r in results]
-        assert held[0] | held[1] == names and not held[0] & held[1], schedule  # one rank each
-        assert "model.embed_tokens.weight" in held[0] and "lm_head.weight" in held[1]
+        names = {n for n, _ in MODELS[name]().named_parameters()}
+        assert held[0] | held[1] == names, key
+        # Each gradient on one rank, but a tied head's on both (summed: one process's).
+        tied = {"llama": set(), "qwen2_tied": {"model.embed_tokens.weight"}}
+        assert held[0] & held[1] == tied.get(name, {"transformer.wte.weight"}), key
         for r in results:
-            assert r["loss_error"] < 1e-5, schedule
-            assert max(r["errors"].values()) < 1e-5, schedule
+            assert r["loss_error"] < 1e-5, key
+            assert max(r["errors"].values()) < 1e-5, (key, r["errors"])
             assert "runtime.forward_backward(batch)" in r["refused"] and "unwrap()" in r["refused"]
             assert r["data_parallel"] == (0, 1)
+    llama_held = set(by_rank[0]["llama 1f1b"]["errors"])
+    assert "model.embed_tokens.weight" in llama_held and "lm_head.weight" not in llama_held
 
 
-def _training(rank: int, world: int, steps: int) -> tuple[list[float], list[float]]:
+def _training(rank: int, world: int, steps: int) -> dict[str, list[float]]:
+    """SGD steps clipped to a norm of 1 (the stages' norms combined into the whole model's)."""
     reference = llama()
     compiled = retarget.compile_for(llama(), "pp", example_inputs=batch())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
-    ours, theirs = [], []
+    out: dict[str, list[float]] = {"ours": [], "theirs": [], "norms": [], "ref_norms": []}
     for step in range(steps):
         data = batch(seed=100 + step % 2)  # two batches in turn: the loss must fall
         loss = reference(**data).loss
         loss.backward()
+        out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
         ref_opt.step()
         ref_opt.zero_grad()
-        theirs.append(float(loss))
-        ours.append(float(compiled.runtime.forward_backward(data)))
+        out["theirs"].append(float(loss))
+        out["ours"].append(float(compiled.runtime.forward_backward(data)))
+        out["norms"].append(float(compiled.runtime.clip_grad_norm_(compiled.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
-    return ours, theirs
+    return out
+
+
+def _checkpoint(rank: int, world: int, folder: str, name: str) -> dict[str, Any]:
+    """Adam for 3 steps, save_state and save_model, 2 more steps; a fresh pipelined model
+    loaded from the checkpoint takes the same 2 steps bit for bit. The saved model's tensors
+    equal the live ones of the stage that trained them."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from retarget.runtime.state.checkpoint import load_state, save_state
+    from retarget.runtime.state.save_model import save_model
+
+    def fresh() -> tuple[Any, Any]:
+        compiled = retarget.compile_for(MODELS[name](), "pp", example_inputs=batch())
+        return compiled, torch.optim.Adam(compiled.parameters(), lr=1e-3)
+
+    def steps(compiled: Any, optimizer: Any, seeds: range) -> None:
+        for seed in seeds:
+            compiled.runtime.forward_backward(batch(seed=seed))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def whole(compiled: Any) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in compiled.state_dict().items()}
+
+    compiled, optimizer = fresh()
+    steps(compiled, optimizer, range(3))
+    save_state(f"{folder}/state", model=compiled, optimizers=optimizer)
+    save_model(compiled, f"{folder}/model")
+    dist.barrier()
+    written = load_file(f"{folder}/model/model.safetensors")
+    live = whole(compiled)
+    held = compiled.runtime.applied.pipeline.held_keys(compiled)  # what this rank's stage trains
+    saved_equal = all(torch.equal(written[k], live[k]) for k in held & written.keys())
+    steps(compiled, optimizer, range(3, 5))
+    expected = whole(compiled)
+    resumed, resumed_optimizer = fresh()
+    load_state(f"{folder}/state", model=resumed, optimizers=resumed_optimizer)
+    steps(resumed, resumed_optimizer, range(3, 5))
+    got = whole(resumed)
+    return {
+        "bitwise": list(got) == list(expected)
+        and all(torch.equal(got[k], expected[k]) for k in got),
+        "saved_equal": saved_equal,
+        "held": sorted(held),
+        "written": sorted(written),
+        "changed": sorted(
+            k
+            for k in held & written.keys()
+            if not torch.equal(written[k], MODELS[name]().state_dict()[k])
+        ),
+    }
+
+
+def _training_and_resume(rank: int, world: int, steps: int, folder: str) -> dict[str, Any]:
+    return {
+        "training": _training(rank, world, steps),
+        "checkpoint": _checkpoint(rank, world, f"{folder}/llama", "llama"),
+        "tied": _checkpoint(rank, world, f"{folder}/qwen2", "qwen2_tied"),
+    }
 
 
 @pytest.mark.distributed
-def test_twenty_steps_track_one_process():
-    for ours, theirs in run_ranks(_training, 2, 20, timeout=300):
+def test_twenty_steps_track_one_process_and_a_checkpoint_resumes_bitwise(tmp_path):
+    results = run_ranks(_training_and_resume, 2, 20, str(tmp_path), timeout=300)
+    for training in (r["training"] for r in results):
+        ours, theirs = training["ours"], training["theirs"]
         assert theirs[-1] < theirs[0]
         for a, b in zip(ours, theirs, strict=True):
             assert abs(a - b) <= 1e-4 * abs(b)
+        # Every stage got the whole model's norm, and clipping was active (norms above 1).
+        assert max(training["ref_norms"]) > 1.0
+        for a, b in zip(training["norms"], training["ref_norms"], strict=True):
+            assert abs(a - b) <= 1e-4 * b
+    checkpoints = [r["checkpoint"] for r in results]
+    assert all(c["bitwise"] and c["saved_equal"] for c in checkpoints), checkpoints
+    # Each stage saved its own part: together every tensor once, all in save_model's file.
+    held = [set(c["held"]) for c in checkpoints]
+    assert not held[0] & held[1] and held[0] | held[1] == set(checkpoints[0]["written"])
+    # The file holds trained weights of both stages, not rank 0's untrained copy of stage 2.
+    assert "lm_head.weight" in checkpoints[1]["changed"]
+    # A head tied to the embedding: held by both stages, trained alike, saved once.
+    tied = [r["tied"] for r in results]
+    assert all(c["bitwise"] and c["saved_equal"] for c in tied), tied
+    both = set(tied[0]["held"]) & set(tied[1]["held"])
+    assert "model.embed_tokens.weight" in both and "model.embed_tokens.weight" in tied[1]["changed"]
 
 
 def _four_stages(rank: int, world: int) -> dict[str, Any]:
@@ -213,6 +347,10 @@ def test_plan_for_four_ranks_and_inspect(capsys):
     out = capsys.readouterr().out
     assert "pp[size=4] (gpipe, 2 microbatches): 4 stages of" in out
     assert "bubble 60%" in out
+    assert plan.tied == ()
+    tied = retarget.compile_for(qwen2_tied(), "pp", example_inputs=batch(), world_size=2)
+    assert tied.program.plan.pp.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert "model.embed_tokens.weight = lm_head.weight tied (gradients summed)" in str(tied.report)
 
 
 @pytest.mark.parametrize(
@@ -221,8 +359,6 @@ def test_plan_for_four_ranks_and_inspect(capsys):
         (llama, "pp[size=8]", 8, r"has 4 repeated blocks \(model.layers.0 \.\.\.\), fewer than"),
         (llama, "pp[microbatches=3]", 2, r"microbatches=3 does not divide the example's 4 rows"),
         (llama, "pp[schedule=interleaved-1f1b]", 2, r"schedule=interleaved-1f1b is not"),
-        (lambda: llama(tied=True), "pp", 2, r"lm_head.weight is tied to model.embed_tokens.weight|"
-         r"model.embed_tokens.weight is tied to lm_head.weight"),
         (llama, "pp[size=2]", 4, r"the degree must be the 4 processes"),
     ],
 )  # fmt: skip
