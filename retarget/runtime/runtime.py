@@ -284,15 +284,27 @@ class Runtime(ProcessStateFacade):
         `loss = model(**batch).loss; runtime.backward(loss)`."""
         applied = self.applied
         if applied is not None and applied.pipeline is not None:
-            if self._window is not None:
-                raise NotImplementedError(
-                    "pp: accumulate() around forward_backward is not supported yet; raise "
-                    "pp[microbatches=...] instead (the schedule averages its microbatches)"
-                )
-            return applied.pipeline.forward_backward(batch)
+            return self._pipelined_step(applied.pipeline, batch)
         loss = self.model(**batch).loss
         self.backward(loss)
         return loss.detach()
+
+    def _pipelined_step(self, pipeline: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The schedule's step; inside accumulate() its gradients (the batch's mean) count
+        1/N of the window. The schedule divides every gradient by its microbatch count, so the
+        earlier micro-steps' gradients are held aside while it runs and added back after."""
+        window = self._window
+        loss = pipeline.forward_backward(batch)
+        if window is None:
+            return loss
+        params = list(self.model.parameters())
+        scale_gradients(params, 1.0 / window.steps)
+        self._held.restore()
+        if not window.sync:
+            self._held.hold(params)
+        elif self.average_short_windows:
+            scale_gradients(params, window.rescale)
+        return loss
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()` with the target's loss scaling and the accumulation average."""

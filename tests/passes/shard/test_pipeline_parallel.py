@@ -231,8 +231,37 @@ def _checkpoint(rank: int, world: int, folder: str, name: str) -> dict[str, Any]
     }
 
 
+def _accumulated(rank: int, world: int) -> dict[str, Any]:
+    """accumulate(2) around forward_backward: the window's gradients are the mean of its two
+    batches' (one process: the two losses averaged); the first micro-step's optimizer step
+    changes nothing (its gradients are held back)."""
+    reference = llama()
+    batches = [batch(seed=7), batch(seed=8)]
+    ((reference(**batches[0]).loss + reference(**batches[1]).loss) / 2).backward()
+    compiled = retarget.compile_for(llama(), "pp", example_inputs=batch())
+    run = compiled.runtime
+    optimizer = run.prepare(torch.optim.SGD(compiled.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in compiled.state_dict().items()}
+    synced = []
+    for data in batches:
+        with run.accumulate(2):
+            run.forward_backward(data)
+            synced.append(run.sync_gradients)
+            if not run.sync_gradients:
+                optimizer.step()
+                unchanged = all(torch.equal(v, before[k]) for k, v in compiled.state_dict().items())
+    grads = dict(reference.named_parameters())
+    errors = {
+        name: float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max())
+        for name, p in compiled.named_parameters()
+        if p.grad is not None
+    }
+    return {"errors": errors, "synced": synced, "unchanged": unchanged}
+
+
 def _training_and_resume(rank: int, world: int, steps: int, folder: str) -> dict[str, Any]:
     return {
+        "accumulated": _accumulated(rank, world),
         "training": _training(rank, world, steps),
         "checkpoint": _checkpoint(rank, world, f"{folder}/llama", "llama"),
         "tied": _checkpoint(rank, world, f"{folder}/qwen2", "qwen2_tied"),
@@ -240,7 +269,7 @@ def _training_and_resume(rank: int, world: int, steps: int, folder: str) -> dict
 
 
 @pytest.mark.distributed
-def test_twenty_steps_track_one_process_and_a_checkpoint_resumes_bitwise(tmp_path):
+def test_steps_accumulation_and_a_checkpoint_resume_bitwise(tmp_path):
     results = run_ranks(_training_and_resume, 2, 20, str(tmp_path), timeout=300)
     for training in (r["training"] for r in results):
         ours, theirs = training["ours"], training["theirs"]
@@ -251,6 +280,9 @@ def test_twenty_steps_track_one_process_and_a_checkpoint_resumes_bitwise(tmp_pat
         assert max(training["ref_norms"]) > 1.0
         for a, b in zip(training["norms"], training["ref_norms"], strict=True):
             assert abs(a - b) <= 1e-4 * b
+    for accumulated in (r["accumulated"] for r in results):
+        assert accumulated["synced"] == [False, True] and accumulated["unchanged"]
+        assert accumulated["errors"] and max(accumulated["errors"].values()) < 1e-5, accumulated
     checkpoints = [r["checkpoint"] for r in results]
     assert all(c["bitwise"] and c["saved_equal"] for c in checkpoints), checkpoints
     # Each stage saved its own part: together every tensor once, all in save_model's file.
