@@ -17,6 +17,7 @@ from torch import nn
 from retarget.core.capturing import capturing
 from retarget.core.modules import sync_weights_into
 from retarget.core.slots import OUTER_FORWARD, PROGRAM, RUNTIME
+from retarget.execution.apply_plan import applied_of
 from retarget.execution.module_call import RetargetedModule
 
 if TYPE_CHECKING:
@@ -91,8 +92,15 @@ class CompiledModule(RetargetedModule):
         beside them). unwrap() gathers the full weights into those same Parameter objects: a
         collective that every rank must call, after which this rank holds a full copy again.
 
+        Under pp each rank holds every stage's weights but trained its own stage only: unwrap()
+        broadcasts each stage's weights from its rank, also a collective.
+
             >>> model = compiled.unwrap()     # every rank, e.g. before generate() or export
         """
         original = self.program.original
         sync_weights_into(self, original)
+        applied = applied_of(self)
+        if applied is not None and applied.pipeline is not None:
+            # Under pp each rank trained its stage only: the others' weights come from them.
+            applied.pipeline.share_weights(original)
         return original

@@ -31,7 +31,8 @@ Every rank holds the whole model, but only its stage's weights train there: the 
 their initial values. `PipelineRun.held` says which tensors are this rank's to save (its
 stage's parameters and buffers; the first stage also any that no stage reads), and
 `held_keys` names them in a state dict: save_state writes each stage's part from its own rank,
-save_model gathers the parts on rank 0.
+save_model gathers the parts on rank 0, and `unwrap()` gives every rank every stage's weights
+(`share_weights`, a broadcast from each tensor's stage).
 
 `PipelineRun.forward_backward(batch)` is the training call (`compiled.runtime.forward_backward`):
 every rank calls it with the same batch; it returns the batch's mean loss on every rank (the
@@ -82,15 +83,17 @@ class PipelineRun:
         schedule: Any,
         rank: int,
         group: Any,
-        held: frozenset[int],
+        storage: list[frozenset[int]],
         tied: list[TiedWeight],
     ):
         self.plan = plan
         self.schedule = schedule
         self.rank = rank
         self.group = group
-        #: Storage addresses (data_ptr) of the tensors this rank's stage owns (module docstring).
-        self.held = held
+        #: Per stage, the storage (data_ptr) of the tensors it owns (module docstring).
+        self.storage = storage
+        #: This rank's part of it.
+        self.held = storage[rank]
         #: The weights several stages use, with the ranks that use them.
         self.tied = tied
 
@@ -116,6 +119,20 @@ class PipelineRun:
             for key, tensor in module.state_dict(keep_vars=True).items()
             if isinstance(tensor, Tensor) and tensor.data_ptr() in self.held
         }
+
+    def share_weights(self, module: nn.Module) -> None:
+        """Give every rank the trained weights of every stage: each tensor of `module`'s state
+        dict is broadcast from the first rank whose stage owns it (a collective)."""
+        with torch.no_grad():
+            for tensor in module.state_dict(keep_vars=True).values():
+                if not isinstance(tensor, Tensor) or not tensor.numel():
+                    continue
+                owner = next(
+                    (k for k, part in enumerate(self.storage) if tensor.data_ptr() in part), None
+                )
+                if owner is not None:
+                    source = dist.get_global_rank(self.group, owner)
+                    dist.broadcast(tensor.data, src=source, group=self.group)
 
     @property
     def first(self) -> bool:
@@ -217,7 +234,7 @@ def apply_pipeline(
     # Before build_stage, which drops the other stages' modules from the split.
     used = use_original_parameters(traced, original, plan.size)
     tied = _tied_weights(used)
-    held = _held_storage(traced, plan.size, state.rank, original)
+    storage = _stage_storage(traced, plan.size, original)
     stage = traced.build_stage(state.rank, state.device, group)
     vocab = original.config.vocab_size
 
@@ -227,7 +244,7 @@ def apply_pipeline(
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
     schedule = schedule_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    return PipelineRun(plan, schedule, state.rank, group, held, tied)
+    return PipelineRun(plan, schedule, state.rank, group, storage, tied)
 
 
 def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
@@ -267,24 +284,23 @@ def _tied_weights(used: list[dict[int, Any]]) -> list[TiedWeight]:
     return tied
 
 
-def _held_storage(traced: Any, stages: int, rank: int, original: nn.Module) -> frozenset[int]:
-    """The storage of the tensors rank `rank` saves: its stage's parameters and buffers; on the
-    first stage also those of `original` that no stage holds (an unused weight)."""
+def _stage_storage(traced: Any, stages: int, original: nn.Module) -> list[frozenset[int]]:
+    """Per stage, the storage of the tensors its rank saves: the stage's parameters and
+    buffers; the first stage's also those of `original` that no stage holds (an unused one)."""
 
     def storage(module: nn.Module) -> set[int]:
         tensors = [*module.parameters(), *module.buffers()]
         return {t.data_ptr() for t in tensors if t.numel()}
 
     parts = [storage(traced.get_stage_module(k)) for k in range(stages)]
-    held = parts[rank]
-    if rank == 0:
-        held |= storage(original) - set().union(*parts)
-    return frozenset(held)
+    parts[0] |= storage(original) - set().union(*parts)
+    return [frozenset(part) for part in parts]
 
 
 def _refuse(plan: PpPlan, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(
         f"this model runs as pp[size={plan.size}]: a call would run this rank's stage only. "
         "Train with loss = compiled.runtime.forward_backward(batch) (forward, backward and the "
-        "mean loss on every rank); for generate() or evaluation, unwrap() the model"
+        "mean loss on every rank); for generate() or evaluation, unwrap() the model (every "
+        "rank calls it: it gives each rank every stage's trained weights)"
     )

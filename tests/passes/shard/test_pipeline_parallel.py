@@ -176,6 +176,12 @@ def _training(rank: int, world: int, steps: int) -> dict[str, list[float]]:
         out["norms"].append(float(compiled.runtime.clip_grad_norm_(compiled.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
+    # unwrap(): every rank gets every stage's trained weights; an eval forward equals one
+    # process's.
+    model = compiled.unwrap().eval()
+    data = batch(seed=5)
+    with torch.no_grad():
+        out["eval"] = [float(model(**data).loss), float(reference.eval()(**data).loss)]
     return out
 
 
@@ -276,6 +282,8 @@ def test_steps_accumulation_and_a_checkpoint_resume_bitwise(tmp_path):
         assert theirs[-1] < theirs[0]
         for a, b in zip(ours, theirs, strict=True):
             assert abs(a - b) <= 1e-4 * abs(b)
+        ours_eval, theirs_eval = training["eval"]
+        assert abs(ours_eval - theirs_eval) <= 1e-4 * theirs_eval, training["eval"]
         # Every stage got the whole model's norm, and clipping was active (norms above 1).
         assert max(training["ref_norms"]) > 1.0
         for a, b in zip(training["norms"], training["ref_norms"], strict=True):
