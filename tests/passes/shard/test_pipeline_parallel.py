@@ -11,6 +11,9 @@ configs (sizes shrunk, dropout off).
   writes every stage's trained tensors.
 - 4 gloo ranks, both schedules, an 8-layer Llama: the same agreement (the rotary cos/sin and
   mask made before the blocks reach every stage through the stages in between).
+- As a user runs it: one script (tests/scripts/pp_train_lm.py) on a saved default-config Llama,
+  `--target single` in one process and `--target pp` under `retarget launch` on 2: the same
+  losses, eval loss and saved weights.
 - One process: the stage plan for 4 ranks (balanced by FLOPs, the head on the last stage),
   inspect's text, the exact balancing, refusals naming the value.
 """
@@ -410,3 +413,55 @@ def test_refusals_name_the_value(build, target, world, message):
 def test_pp_runs_alone_so_far():
     with pytest.raises(TargetError, match="'pp' does not combine with 'ddp'"):
         retarget.compile_for(llama(), "ddp+pp", example_inputs=batch(), world_size=2)
+
+
+# -- as a user runs it ----------------------------------------------------------------------
+
+
+def _run_script(args: list[str], tmp_path: Any) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+
+    from tests.paths import REPO, SCRIPTS
+
+    done = subprocess.run(
+        [sys.executable, *args[:-1], str(SCRIPTS / "pp_train_lm.py"), *args[-1].split()],
+        capture_output=True, text=True, cwd=REPO, timeout=400,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+             "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(part for part in done.stdout.splitlines() if part.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.distributed
+def test_a_user_script_trains_alike_with_and_without_pp(tmp_path):
+    """The same script (tests/scripts/pp_train_lm.py) on a Llama checkpoint at its default
+    config (sizes shrunk): `--target single` in one process and `--target pp` under `retarget
+    launch` on 2 processes give the same losses, eval loss and saved weights."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    single = _run_script([f"{model} --target single --out {tmp_path}/single"], tmp_path)
+    launch = ["-m", "retarget", "launch", "--num_processes", "2"]
+    piped = _run_script([*launch, f"{model} --target pp --out {tmp_path}/pp"], tmp_path)
+    for ours, theirs in zip(piped["losses"], single["losses"], strict=True):
+        assert abs(ours - theirs) <= 1e-4 * theirs, (piped, single)
+    assert abs(piped["eval"] - single["eval"]) <= 1e-4 * single["eval"]
+    saved = [load_file(tmp_path / name / "model.safetensors") for name in ("pp", "single")]
+    assert saved[0].keys() == saved[1].keys()
+    for key, tensor in saved[1].items():
+        assert torch.allclose(saved[0][key], tensor, rtol=1e-4, atol=1e-5), key
