@@ -372,17 +372,21 @@ class PpStage:
     blocks (embeddings), the last the glue after them (final norm, head, loss)."""
     cost: int
     """Estimated forward FLOPs of the stage (its blocks', plus the head's on the last)."""
+    rank: int = 0
+    """The rank that runs it: stage i on rank i mod size (interleaved schedules loop)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class PpPlan:
-    """Pipeline parallelism (`pp[...]`): contiguous runs of the repeated blocks, one stage per
-    rank, balanced by FLOPs; torch.distributed.pipelining runs the schedule."""
+    """Pipeline parallelism (`pp[...]`): contiguous runs of the repeated blocks, K stages per
+    rank (K > 1 for interleaved schedules), balanced by FLOPs; torch.distributed.pipelining
+    runs the schedule."""
 
     size: int
     schedule: str
     microbatches: int
     stages: tuple[PpStage, ...]
+    stages_per_rank: int = 1
     split_points: tuple[str, ...] = ()
     """The block each stage after the first begins with (torch's SplitPoint.BEGINNING)."""
     microbatch_rows: int = 0
@@ -393,8 +397,14 @@ class PpPlan:
 
     @property
     def bubble(self) -> float:
-        """The idle fraction of a step for the schedule: (p - 1) / (m + p - 1)."""
-        return (self.size - 1) / (self.microbatches + self.size - 1)
+        """The idle fraction of a step for the schedule: (p - 1) / (m + p - 1), and
+        (p - 1) / (K m + p - 1) with K stages per rank (interleaving shortens the ramp)."""
+        work = self.stages_per_rank * self.microbatches
+        return (self.size - 1) / (work + self.size - 1)
+
+    def stages_of(self, rank: int) -> tuple[PpStage, ...]:
+        """The stages rank `rank` runs, in order."""
+        return tuple(stage for stage in self.stages if stage.rank == rank)
 
     @property
     def imbalance(self) -> float:
@@ -405,8 +415,10 @@ class PpPlan:
 
     def describe(self) -> str:
         return (
-            f"pp[size={self.size}] ({self.schedule}, {self.microbatches} microbatches): "
-            f"{len(self.stages)} stages of {', '.join(str(len(s.blocks)) for s in self.stages)} "
+            f"pp[size={self.size}] ({self.schedule}, {self.microbatches} microbatches"
+            + (f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else "")
+            + f"): {len(self.stages)} stages of "
+            f"{', '.join(str(len(s.blocks)) for s in self.stages)} "
             f"blocks; imbalance (max / mean stage FLOPs) {self.imbalance:.2f}; bubble "
             f"{self.bubble:.0%}"
             + "".join(f"; {' = '.join(names)} tied (gradients summed)" for names in self.tied)

@@ -1,14 +1,15 @@
-"""Pipeline parallelism applied: this rank's stage of the model and torch's schedule over it.
+"""Pipeline parallelism applied: this rank's stages of the model and torch's schedule over them.
 
 apply_plan calls `apply_pipeline` with `plan.pp` (passes/shard/split_stages.py). The stages are
 torch.distributed.pipelining's own: `pipeline()` exports the user's model (its logits for
 `input_ids`) on one microbatch of the example and splits it before the block each later stage
-begins with (`SplitPoint.BEGINNING`); `Pipe.build_stage` gives this rank its `PipelineStage`,
+begins with (`SplitPoint.BEGINNING`); `Pipe.build_stage` gives this rank its `PipelineStage`s
+(one, or K under interleaved-1f1b: stage i runs on rank i mod size, torch's looped order),
 whose parameters are the model's own Parameter objects (the compiled model shares them), so an
-optimizer built on `compiled.parameters()` steps this stage's weights and skips the others
-(they get no gradient here). The schedule (GPipe or 1F1B) cuts each batch into the planned
-microbatches, runs forward and backward, computes transformers' loss from the last stage's
-logits and averages the microbatches' gradients.
+optimizer built on `compiled.parameters()` steps this rank's weights and skips the others
+(they get no gradient here). The schedule (GPipe, 1F1B or interleaved 1F1B) cuts each batch
+into the planned microbatches, runs forward and backward, computes transformers' loss from the
+last stage's logits and averages the microbatches' gradients.
 
 torch 2.13's stages treat every floating-point value a stage sends as an activation that needs
 a gradient, and refuse one read by two later stages ("backward of skip connections not
@@ -90,7 +91,7 @@ class PipelineRun:
         self.schedule = schedule
         self.rank = rank
         self.group = group
-        #: Per stage, the storage (data_ptr) of the tensors it owns (module docstring).
+        #: Per rank, the storage (data_ptr) of the tensors its stages own (module docstring).
         self.storage = storage
         #: This rank's part of it.
         self.held = storage[rank]
@@ -122,7 +123,7 @@ class PipelineRun:
 
     def share_weights(self, module: nn.Module) -> None:
         """Give every rank the trained weights of every stage: each tensor of `module`'s state
-        dict is broadcast from the first rank whose stage owns it (a collective)."""
+        dict is broadcast from the first rank whose stages own it (a collective)."""
         with torch.no_grad():
             for tensor in module.state_dict(keep_vars=True).values():
                 if not isinstance(tensor, Tensor) or not tensor.numel():
@@ -221,8 +222,15 @@ def chain_skips(pipe: Any) -> None:
 def apply_pipeline(
     module: nn.Module, original: nn.Module, plan: PpPlan, example_ids: Tensor, state: Any
 ) -> PipelineRun:
-    """Trace and split `original`, build this rank's stage and schedule; wrap `module`'s calls."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+    """Trace and split `original`, build this rank's stages and schedule; wrap `module`'s
+    calls."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        SplitPoint,
+        pipeline,
+    )
 
     group = dist.group.WORLD
     traced = pipeline(
@@ -231,18 +239,24 @@ def apply_pipeline(
         split_spec={f"model.{path}": SplitPoint.BEGINNING for path in plan.split_points},
     )
     chain_skips(traced)
-    # Before build_stage, which drops the other stages' modules from the split.
-    used = use_original_parameters(traced, original, plan.size)
-    tied = _tied_weights(used)
-    storage = _stage_storage(traced, plan.size, original)
-    stage = traced.build_stage(state.rank, state.device, group)
+    ranks = [stage.rank for stage in plan.stages]  # stage i runs on rank i mod size
+    used = use_original_parameters(traced, original, len(ranks))
+    tied = _tied_weights(used, ranks)
+    storage = _rank_storage(traced, ranks, plan.size, original)
+    mine = [stage.index for stage in plan.stages_of(state.rank)]
+    stages = [traced.build_stage(index, state.device, group) for index in mine]
     vocab = original.config.vocab_size
 
     def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
         return original.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
-    schedule = schedule_class(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    if plan.schedule == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(
+            stages, n_microbatches=plan.microbatches, loss_fn=loss_fn
+        )
+    else:
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+        schedule = schedule_class(stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     return PipelineRun(plan, schedule, state.rank, group, storage, tied)
 
@@ -267,32 +281,40 @@ def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> li
     return used
 
 
-def _tied_weights(used: list[dict[int, Any]]) -> list[TiedWeight]:
-    """The weights more than one stage uses, each with a process group of its ranks (made on
-    every rank, in the same order: new_group is collective)."""
-    ranks: dict[int, list[int]] = {}
+def _tied_weights(used: list[dict[int, Any]], ranks: list[int]) -> list[TiedWeight]:
+    """The weights used by stages on more than one rank (`ranks[i]`: stage i's), each with a
+    process group of those ranks (made on every rank, in the same order: new_group is
+    collective)."""
+    users: dict[int, list[int]] = {}
     params: dict[int, Any] = {}
     for stage, mine in enumerate(used):
         for key, param in mine.items():
-            ranks.setdefault(key, []).append(stage)
+            if ranks[stage] not in users.setdefault(key, []):
+                users[key].append(ranks[stage])
             params[key] = param
     tied = []
-    for key, stages in ranks.items():
-        if len(stages) > 1:
-            group = dist.new_group(stages)
-            tied.append(TiedWeight(params[key], tuple(stages), group))
+    for key, holders in users.items():
+        if len(holders) > 1:
+            holders.sort()
+            group = dist.new_group(holders)
+            tied.append(TiedWeight(params[key], tuple(holders), group))
     return tied
 
 
-def _stage_storage(traced: Any, stages: int, original: nn.Module) -> list[frozenset[int]]:
-    """Per stage, the storage of the tensors its rank saves: the stage's parameters and
-    buffers; the first stage's also those of `original` that no stage holds (an unused one)."""
+def _rank_storage(
+    traced: Any, ranks: list[int], size: int, original: nn.Module
+) -> list[frozenset[int]]:
+    """Per rank, the storage of the tensors it saves: its stages' parameters and buffers;
+    rank 0's also those of `original` that no stage holds (an unused one). Read before
+    build_stage."""
 
     def storage(module: nn.Module) -> set[int]:
         tensors = [*module.parameters(), *module.buffers()]
         return {t.data_ptr() for t in tensors if t.numel()}
 
-    parts = [storage(traced.get_stage_module(k)) for k in range(stages)]
+    parts: list[set[int]] = [set() for _ in range(size)]
+    for index, rank in enumerate(ranks):
+        parts[rank] |= storage(traced.get_stage_module(index))
     parts[0] |= storage(original) - set().union(*parts)
     return [frozenset(part) for part in parts]
 

@@ -124,7 +124,7 @@ PARTS: dict[str, PartSchema] = {
         },
     ),
     "pp": PartSchema(
-        "pipeline parallelism: the repeated blocks cut into stages, one per rank",
+        "pipeline parallelism: the repeated blocks cut into stages over the ranks",
         {
             "size": int_option(0, "pipeline stages (ranks); 0: the world"),
             "schedule": enum_option(
@@ -133,7 +133,9 @@ PARTS: dict[str, PartSchema] = {
                 "how microbatches flow through the stages (torch.distributed.pipelining)",
             ),
             "microbatches": int_option(0, "microbatches per batch; 0: 2 x size", low=0),
-            "stages_per_rank": int_option(0, "stages each rank holds; 0: 1", low=0),
+            "stages_per_rank": int_option(
+                0, "stages each rank holds; 0: 2 for interleaved-1f1b, else 1", low=0
+            ),
         },
     ),
     "xla": PartSchema(

@@ -1,5 +1,6 @@
 """split_stages (`pp[size=, schedule=, microbatches=, stages_per_rank=]`): the repeated blocks
-cut into pipeline stages, one per rank, balanced by the FLOPs annotate_shapes counted.
+cut into pipeline stages, one per rank (K per rank, looped, under interleaved-1f1b), balanced by
+the FLOPs annotate_shapes counted.
 
 Contract: requires regions, shapes | provides pipeline | after -
     | numerics approx(rtol=1e-05, atol=1e-06) | options SplitStagesOptions
@@ -36,7 +37,9 @@ from retarget.spec.grammar import PARTS, Target
 
 _SCHEMA = PARTS["pp"].options
 #: Schedules run here; the others of the part's enum are refused by name.
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them).
+LOOPED = ("interleaved-1f1b",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +85,7 @@ def balance(costs: list[int], tail: int, stages: int) -> list[tuple[int, int]]:
 
 class SplitStages(Pass):
     name = "split_stages"
-    summary = "pipeline parallelism: the repeated blocks cut into balanced stages, one per rank"
+    summary = "pipeline parallelism: the repeated blocks cut into balanced stages over the ranks"
     requires = ("regions", "shapes")
     provides = ("pipeline",)
     numerics = Numerics("approx", rtol=1e-5, atol=1e-6)
@@ -102,19 +105,18 @@ class SplitStages(Pass):
                 f"{where}: pipeline parallelism runs alone so far, one stage per process: the "
                 f"degree must be the {program.world.describe()} and at least 2"
             )
-        if options.schedule not in SCHEDULES or options.stages_per_rank > 1:
-            extra = (
-                f", stages_per_rank={options.stages_per_rank}" if options.stages_per_rank else ""
-            )
-            raise TargetNotSupportedError(
-                f"{where}: schedule={options.schedule}{extra} is not implemented yet (one "
-                "stage per rank); use schedule=1f1b or gpipe"
-            )
+        per_rank = _stages_per_rank(options, where)
+        count = size * per_rank
         blocks = _blocks(program, where)
-        if len(blocks) < size:
+        if len(blocks) < count:
+            fewer = (
+                f"pp[size={len(blocks)}] or fewer"
+                if per_rank == 1
+                else f"fewer ranks or stages_per_rank ({size} x {per_rank} stages here)"
+            )
             raise TargetNotSupportedError(
                 f"{where}: the model has {len(blocks)} repeated blocks ({blocks[0]} ...), fewer "
-                f"than the {size} stages; use pp[size={len(blocks)}] or fewer"
+                f"than the {count} stages; use {fewer}"
             )
         tied = _tied(program)
         if not hasattr(program.original, "loss_function"):
@@ -140,14 +142,22 @@ class SplitStages(Pass):
                 f"rows; every batch is cut into {microbatches} equal microbatches: use a batch "
                 f"of a multiple of {microbatches} rows or set pp[microbatches=...]"
             )
+        rounds = max(1, microbatches // size)
+        if options.schedule in LOOPED and microbatches % rounds:
+            raise TargetNotSupportedError(
+                f"{where}: schedule={options.schedule} runs microbatches in rounds (one per "
+                f"rank): microbatches={microbatches} makes {rounds} rounds that do not divide "
+                f"it; use a multiple of {size} (pp[microbatches=...])"
+            )
         costs = [_flops(program, path) for path in blocks]
         tail = max((program.analysis.flops or 0) - sum(costs), 0)
-        runs = balance(costs, tail, size)
+        runs = balance(costs, tail, count)
         stages = tuple(
             PpStage(
                 index=i,
                 blocks=tuple(blocks[a:b]),
-                cost=sum(costs[a:b]) + (tail if i == size - 1 else 0),
+                cost=sum(costs[a:b]) + (tail if i == count - 1 else 0),
+                rank=i % size,
             )
             for i, (a, b) in enumerate(runs)
         )
@@ -156,12 +166,38 @@ class SplitStages(Pass):
             schedule=options.schedule,
             microbatches=microbatches,
             stages=stages,
+            stages_per_rank=per_rank,
             split_points=tuple(s.blocks[0] for s in stages[1:]),
             microbatch_rows=rows // microbatches,
             tied=tied,
         )
-        stats = {"stages": size, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
+        stats = {"stages": count, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
+
+
+def _stages_per_rank(options: SplitStagesOptions, where: str) -> int:
+    """K: stages_per_rank as set, else 2 for a looped schedule and 1 for the others; refused
+    where the schedule cannot run it."""
+    schedule, asked = options.schedule, options.stages_per_rank
+    if schedule not in SCHEDULES:
+        raise TargetNotSupportedError(
+            f"{where}: schedule={schedule} is not implemented yet; use schedule=1f1b, gpipe or "
+            "interleaved-1f1b"
+        )
+    if schedule in LOOPED:
+        if asked == 1:
+            raise TargetNotSupportedError(
+                f"{where}: schedule={schedule} loops over several stages per rank; "
+                "stages_per_rank=1 leaves nothing to interleave: set it to 2 or more (the "
+                "default), or use schedule=1f1b"
+            )
+        return asked or 2
+    if asked > 1:
+        raise TargetNotSupportedError(
+            f"{where}: stages_per_rank={asked} needs a looped schedule; schedule={schedule} "
+            "runs one stage per rank: use schedule=interleaved-1f1b"
+        )
+    return 1
 
 
 def _blocks(program: Program, where: str) -> list[str]:

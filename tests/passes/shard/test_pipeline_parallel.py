@@ -139,8 +139,15 @@ def _one_step(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, 
 
 
 @pytest.mark.distributed
-def test_two_stages_equal_one_process_for_gpipe_and_1f1b():
-    cases = [("llama", "gpipe"), ("llama", "1f1b"), ("qwen2_tied", "1f1b"), ("gpt2", "gpipe")]
+def test_two_ranks_equal_one_process_for_each_schedule():
+    cases = [
+        ("llama", "gpipe"),
+        ("llama", "1f1b"),
+        ("llama", "interleaved-1f1b"),  # 4 stages of one block, two per rank
+        ("qwen2_tied", "1f1b"),
+        ("qwen2_tied", "interleaved-1f1b"),
+        ("gpt2", "gpipe"),
+    ]
     by_rank = run_ranks(_one_step, 2, cases, timeout=300)
     for name, schedule in cases:
         key = f"{name} {schedule}"
@@ -391,6 +398,12 @@ def test_plan_for_four_ranks_and_inspect(capsys):
     assert "pp[size=4] (gpipe, 2 microbatches): 4 stages of" in out
     assert "bubble 60%" in out
     assert plan.tied == ()
+    looped = retarget.compile_for(
+        llama(8), "pp[schedule=interleaved-1f1b]", example_inputs=batch(rows=8), world_size=2
+    ).program.plan.pp
+    assert [s.rank for s in looped.stages] == [0, 1, 0, 1] and looped.stages_per_rank == 2
+    assert abs(looped.bubble - 1 / (2 * 4 + 1)) < 1e-9  # (p-1) / (K m + p - 1)
+    assert "2 stages per rank): 4 stages of" in looped.describe()
     tied = retarget.compile_for(qwen2_tied(), "pp", example_inputs=batch(), world_size=2)
     assert tied.program.plan.pp.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
     assert "model.embed_tokens.weight = lm_head.weight tied (gradients summed)" in str(tied.report)
@@ -401,13 +414,23 @@ def test_plan_for_four_ranks_and_inspect(capsys):
     [
         (llama, "pp[size=8]", 8, r"has 4 repeated blocks \(model.layers.0 \.\.\.\), fewer than"),
         (llama, "pp[microbatches=3]", 2, r"microbatches=3 does not divide the example's 4 rows"),
-        (llama, "pp[schedule=interleaved-1f1b]", 2, r"schedule=interleaved-1f1b is not"),
+        (llama, "pp[schedule=zero-bubble]", 2, r"schedule=zero-bubble is not implemented"),
+        (llama, "pp[schedule=interleaved-1f1b,stages_per_rank=1]", 2,
+         r"stages_per_rank=1 leaves nothing to interleave"),
+        (llama, "pp[stages_per_rank=2]", 2, r"stages_per_rank=2 needs a looped schedule"),
+        (llama, "pp[schedule=interleaved-1f1b]", 4, r"fewer than the 8 stages; use fewer ranks"),
         (llama, "pp[size=2]", 4, r"the degree must be the 4 processes"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_value(build, target, world, message):
     with pytest.raises(TargetNotSupportedError, match=message):
         retarget.compile_for(build(), target, example_inputs=batch(), world_size=world)
+
+
+def test_interleaved_microbatches_must_fill_its_rounds():
+    target = "pp[schedule=interleaved-1f1b,microbatches=5]"
+    with pytest.raises(TargetNotSupportedError, match=r"microbatches=5 makes 2 rounds .* of 2"):
+        retarget.compile_for(llama(), target, example_inputs=batch(rows=10), world_size=2)
 
 
 def test_pp_runs_alone_so_far():
