@@ -398,7 +398,8 @@ class PpPlan:
     @property
     def bubble(self) -> float:
         """The idle fraction of a step for the schedule: (p - 1) / (m + p - 1), and
-        (p - 1) / (K m + p - 1) with K stages per rank (interleaving shortens the ramp)."""
+        (p - 1) / (K m + p - 1) with K stages per rank (interleaving shortens the ramp); for
+        zero-bubble an upper bound (it fills part of the ramp with weight-gradient work)."""
         work = self.stages_per_rank * self.microbatches
         return (self.size - 1) / (work + self.size - 1)
 

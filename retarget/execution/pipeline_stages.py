@@ -228,6 +228,7 @@ def apply_pipeline(
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
         SplitPoint,
         pipeline,
     )
@@ -250,10 +251,12 @@ def apply_pipeline(
     def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
         return original.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
-    if plan.schedule == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(
-            stages, n_microbatches=plan.microbatches, loss_fn=loss_fn
-        )
+    if plan.schedule in ("interleaved-1f1b", "zero-bubble"):
+        looped = {
+            "interleaved-1f1b": ScheduleInterleaved1F1B,
+            "zero-bubble": ScheduleInterleavedZeroBubble,
+        }[plan.schedule]
+        schedule = looped(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     else:
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
         schedule = schedule_class(stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)

@@ -1,5 +1,6 @@
 """split_stages (`pp[size=, schedule=, microbatches=, stages_per_rank=]`): the repeated blocks
-cut into pipeline stages, one per rank (K per rank, looped, under interleaved-1f1b), balanced by
+cut into pipeline stages, one per rank (K per rank, looped, under interleaved-1f1b and
+zero-bubble), balanced by
 the FLOPs annotate_shapes counted.
 
 Contract: requires regions, shapes | provides pipeline | after -
@@ -36,10 +37,9 @@ from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.spec.grammar import PARTS, Target
 
 _SCHEMA = PARTS["pp"].options
-#: Schedules run here; the others of the part's enum are refused by name.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-#: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them).
-LOOPED = ("interleaved-1f1b",)
+#: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them):
+#: torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble.
+LOOPED = ("interleaved-1f1b", "zero-bubble")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,11 +179,6 @@ def _stages_per_rank(options: SplitStagesOptions, where: str) -> int:
     """K: stages_per_rank as set, else 2 for a looped schedule and 1 for the others; refused
     where the schedule cannot run it."""
     schedule, asked = options.schedule, options.stages_per_rank
-    if schedule not in SCHEDULES:
-        raise TargetNotSupportedError(
-            f"{where}: schedule={schedule} is not implemented yet; use schedule=1f1b, gpipe or "
-            "interleaved-1f1b"
-        )
     if schedule in LOOPED:
         if asked == 1:
             raise TargetNotSupportedError(

@@ -146,6 +146,8 @@ def test_two_ranks_equal_one_process_for_each_schedule():
         ("llama", "interleaved-1f1b"),  # 4 stages of one block, two per rank
         ("qwen2_tied", "1f1b"),
         ("qwen2_tied", "interleaved-1f1b"),
+        ("llama", "zero-bubble"),
+        ("qwen2_tied", "zero-bubble"),
         ("gpt2", "gpipe"),
     ]
     by_rank = run_ranks(_one_step, 2, cases, timeout=300)
@@ -414,7 +416,6 @@ def test_plan_for_four_ranks_and_inspect(capsys):
     [
         (llama, "pp[size=8]", 8, r"has 4 repeated blocks \(model.layers.0 \.\.\.\), fewer than"),
         (llama, "pp[microbatches=3]", 2, r"microbatches=3 does not divide the example's 4 rows"),
-        (llama, "pp[schedule=zero-bubble]", 2, r"schedule=zero-bubble is not implemented"),
         (llama, "pp[schedule=interleaved-1f1b,stages_per_rank=1]", 2,
          r"stages_per_rank=1 leaves nothing to interleave"),
         (llama, "pp[stages_per_rank=2]", 2, r"stages_per_rank=2 needs a looped schedule"),
