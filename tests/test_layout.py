@@ -75,9 +75,16 @@ def test_tests_mirror_the_package():
         if str(folder) != ".":
             assert (PACKAGE / folder).is_dir(), f"{_relative(path)}: no package retarget/{folder}"
     top = sorted(p.name for p in tests.glob("test_*.py"))
-    # whole-repository checks only: the layout, the README, the test device switch (conftest.py)
-    # and the prepared GPU script (bench/gpu/run.sh)
-    whole = ["test_device_switch.py", "test_gpu_script.py", "test_layout.py", "test_readme.py"]
+    # whole-repository checks only: the layout, the README, the test device switch (conftest.py),
+    # the suite's time and memory report (tests/memory_report.py) and the prepared GPU script
+    # (bench/gpu/run.sh)
+    whole = [
+        "test_device_switch.py",
+        "test_gpu_script.py",
+        "test_layout.py",
+        "test_memory_report.py",
+        "test_readme.py",
+    ]
     assert top == whole, top
 
 
