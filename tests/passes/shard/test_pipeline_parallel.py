@@ -35,11 +35,17 @@ from tests.distributed import run_ranks
 SEQ, ROWS = 16, 4
 
 
-def llama(layers: int = 4, tied: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _decoder(family: str, layers: int, tied: bool) -> torch.nn.Module:
+    """A transformers decoder of `family` ("llama" or "qwen2") at its defaults, sizes shrunk
+    (GQA: 4 heads, 2 key/value heads)."""
+    import transformers
 
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=zoo.VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -49,26 +55,17 @@ def llama(layers: int = 4, tied: bool = False) -> torch.nn.Module:
         max_position_embeddings=64,
         tie_word_embeddings=tied,
     )
-    return LlamaForCausalLM(config).train()
+    return model_class(config).train()
+
+
+def llama(layers: int = 4, tied: bool = False) -> torch.nn.Module:
+    return _decoder("llama", layers, tied)
 
 
 def qwen2_tied() -> torch.nn.Module:
     """Qwen2 with its LM head tied to the embedding: the weight sits on the first and the last
     stage."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=zoo.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).train()
+    return _decoder("qwen2", 4, tied=True)
 
 
 def gpt2() -> torch.nn.Module:
