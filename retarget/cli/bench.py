@@ -230,6 +230,8 @@ def _pp_rows(d: dict) -> list[Row]:
     time = d.get("time", {})
     for schedule, ratio in time.get("step / one process", {}).items():
         ideal = time.get("ideal step / one process")
+        if isinstance(ideal, dict):  # per schedule since the looped schedules (K stages/rank)
+            ideal = ideal.get(schedule)
         rows.append(
             (group, f"{schedule} step / one process, 2 ranks (ideal {ideal})", f"{ratio:.2f}x")
         )
