@@ -76,7 +76,7 @@ class TiedWeight:
 
 
 class PipelineRun:
-    """This rank's stage and the schedule that drives it."""
+    """This rank's stages and the schedule that drives them."""
 
     def __init__(
         self,
@@ -93,10 +93,13 @@ class PipelineRun:
         self.group = group
         #: Per rank, the storage (data_ptr) of the tensors its stages own (module docstring).
         self.storage = storage
-        #: This rank's part of it.
-        self.held = storage[rank]
         #: The weights several stages use, with the ranks that use them.
         self.tied = tied
+
+    @property
+    def held(self) -> frozenset[int]:
+        """The storage of the tensors this rank's stages own."""
+        return self.storage[self.rank]
 
     def counted(self, params: list[Tensor]) -> list[Tensor]:
         """`params` without the tied weights whose norm another rank counts (the first rank
@@ -251,15 +254,15 @@ def apply_pipeline(
     def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
         return original.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
-    if plan.schedule in ("interleaved-1f1b", "zero-bubble"):
-        looped = {
-            "interleaved-1f1b": ScheduleInterleaved1F1B,
-            "zero-bubble": ScheduleInterleavedZeroBubble,
-        }[plan.schedule]
-        schedule = looped(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
-    else:
-        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
-        schedule = schedule_class(stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    schedule_class = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved-1f1b": ScheduleInterleaved1F1B,
+        "zero-bubble": ScheduleInterleavedZeroBubble,
+    }[plan.schedule]
+    # The looped schedules take this rank's list of stages, the others its one stage.
+    driven = stages if plan.stages_per_rank > 1 else stages[0]
+    schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     return PipelineRun(plan, schedule, state.rank, group, storage, tied)
 

@@ -297,13 +297,9 @@ class Runtime(ProcessStateFacade):
         loss = pipeline.forward_backward(batch)
         if window is None:
             return loss
-        params = list(self.model.parameters())
-        scale_gradients(params, 1.0 / window.steps)
+        scale_gradients(self.model.parameters(), 1.0 / window.steps)
         self._held.restore()
-        if not window.sync:
-            self._held.hold(params)
-        elif self.average_short_windows:
-            scale_gradients(params, window.rescale)
+        self._end_micro_step(window)
         return loss
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -316,8 +312,12 @@ class Runtime(ProcessStateFacade):
             loss = self.scaler.scale(loss)
             self.guard.scaled_gradients = True
         loss.backward(**kwargs)
-        if window is None:
-            return
+        if window is not None:
+            self._end_micro_step(window)
+
+    def _end_micro_step(self, window: Window) -> None:
+        """After a micro-step's backward: hold its gradients away from the optimizer until the
+        window ends; a window cut short averages its own micro-steps."""
         if not window.sync:
             self._held.hold(self.model.parameters())
         elif self.average_short_windows:

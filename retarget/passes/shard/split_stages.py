@@ -1,7 +1,6 @@
 """split_stages (`pp[size=, schedule=, microbatches=, stages_per_rank=]`): the repeated blocks
 cut into pipeline stages, one per rank (K per rank, looped, under interleaved-1f1b and
-zero-bubble), balanced by
-the FLOPs annotate_shapes counted.
+zero-bubble), balanced by the FLOPs annotate_shapes counted.
 
 Contract: requires regions, shapes | provides pipeline | after -
     | numerics approx(rtol=1e-05, atol=1e-06) | options SplitStagesOptions
@@ -11,15 +10,17 @@ are contiguous runs of those blocks, the glue before them (embeddings) with the 
 and the glue after them (final norm, head, loss) with the last. `balance` chooses the runs
 that minimise the largest stage's FLOPs (an exact search over the cut points), counting the
 head's FLOPs on the last stage. The record (`plan.pp`, a `PpPlan`) holds the stages, their
-estimated cost, the imbalance (max / mean) and the schedule's bubble (p-1)/(m+p-1); the report
+estimated cost and rank (stage i on rank i mod p), the imbalance (max / mean) and the
+schedule's bubble (p-1)/(K m+p-1) with K stages per rank; the report
 and `retarget inspect --target "pp[size=4]" --world-size 4` print it in one process. Weights
 shared by several modules (an LM head tied to the embedding) are recorded (`PpPlan.tied`):
 every stage that uses one holds it and their gradients are summed (execution/pipeline_stages).
 
 Refused before anything runs, naming the value: a degree that is not the world (pp runs alone
 so far), fewer blocks than stages, no repeated blocks, a microbatch count that does not divide
-the example's rows, the interleaved and zero-bubble schedules (not yet), no example inputs
-(the stages are traced on a microbatch of it).
+the example's rows, stages_per_rank=1 with a looped schedule and K > 1 with gpipe or 1f1b, a
+looped schedule's microbatch count that torch's rounds do not divide, no example inputs (the
+stages are traced on a microbatch of it).
 
 Numerics: torch's schedules average the microbatches' gradients; with equal token counts per
 microbatch that is the whole batch's mean to float32 rounding.

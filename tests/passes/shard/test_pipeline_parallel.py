@@ -463,18 +463,8 @@ def test_a_user_script_trains_alike_with_and_without_pp(tmp_path):
     config (sizes shrunk): `--target single` in one process and `--target pp` under `retarget
     launch` on 2 processes give the same losses, eval loss and saved weights."""
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=zoo.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    llama().save_pretrained(tmp_path / "model")
     model = str(tmp_path / "model")
     single = _run_script([f"{model} --target single --out {tmp_path}/single"], tmp_path)
     launch = ["-m", "retarget", "launch", "--num_processes", "2"]
