@@ -38,11 +38,26 @@ def launch(folder: Path, target: str, kill_at: int, restarts: int, home: Path):
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The final weights of an uninterrupted STEPS-step run per target, launched once for the
+    tests of this file that compare against it."""
+    runs: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(target: str) -> dict[str, torch.Tensor]:
+        if target not in runs:
+            folder = tmp_path_factory.mktemp("straight")
+            done = launch(folder / "run", target, kill_at=-1, restarts=0, home=folder)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[target] = load_file(folder / "run" / "final.safetensors")
+        return runs[target]
+
+    return weights
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("target", ["ddp", "fsdp"])
-def test_a_killed_rank_restarts_resumes_and_ends_bitwise_equal(target, tmp_path):
-    straight = launch(tmp_path / "straight", target, kill_at=-1, restarts=0, home=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+def test_a_killed_rank_restarts_resumes_and_ends_bitwise_equal(target, straight, tmp_path):
     kill_at = random.Random(target).randrange(EVERY, STEPS - 1)  # between two checkpoints
     if (kill_at + 1) % EVERY == 0:
         kill_at -= 1
@@ -51,7 +66,7 @@ def test_a_killed_rank_restarts_resumes_and_ends_bitwise_equal(target, tmp_path)
     attempt, start = (tmp_path / "killed" / "attempts.txt").read_text().split()
     assert attempt == "1"  # the first restart finished the run
     assert int(start) == (kill_at + 1) // EVERY * EVERY  # it resumed from the newest checkpoint
-    expected = load_file(tmp_path / "straight" / "final.safetensors")
+    expected = straight(target)
     got = load_file(tmp_path / "killed" / "final.safetensors")
     assert expected.keys() == got.keys() and expected
     for key, value in expected.items():
@@ -100,7 +115,7 @@ def launch_until(
     ("signum", "to"),
     [(signal.SIGTERM, "launcher"), (signal.SIGUSR1, "launcher"), (signal.SIGTERM, "rank")],
 )
-def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, to, tmp_path):
+def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, to, straight, tmp_path):
     folder = tmp_path / "run"
     code, seconds, output = launch_until(folder, "ddp", signum, 3, home=tmp_path, to=to)
     assert code == 0, output[-3000:]
@@ -112,7 +127,7 @@ def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, to, 
     resumed = subprocess.run(
         [
             sys.executable, "-m", "retarget", "launch", "--num_processes", "2", "--target",
-            "ddp", str(SCRIPT), str(folder), "12", "1000", "-1",
+            "ddp", str(SCRIPT), str(folder), str(STEPS), "1000", "-1",
         ],
         capture_output=True, text=True, cwd=REPO, timeout=300,
         env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
@@ -120,10 +135,9 @@ def test_preemption_saves_on_every_rank_exits_0_and_resumes_bitwise(signum, to, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start = int((folder / "attempts.txt").read_text().split()[1])
     assert 3 <= start < 12
-    straight = launch(tmp_path / "straight", "ddp", kill_at=-1, restarts=0, home=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    expected = load_file(tmp_path / "straight" / "final.safetensors")
+    expected = straight("ddp")  # resume ran STEPS steps, as the straight run did
     got = load_file(folder / "final.safetensors")
+    assert expected.keys() == got.keys() and expected
     assert all(torch.equal(value, got[key]) for key, value in expected.items())
 
 
