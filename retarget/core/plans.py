@@ -394,6 +394,8 @@ class PpPlan:
     tied: tuple[tuple[str, ...], ...] = ()
     """Names of each weight shared by several modules (an LM head tied to the embedding):
     every stage using it holds it, and their gradients are summed after each step."""
+    dp: int = 1
+    """fsdp+pp: the ranks each stage runs on, FSDP2 sharding it (the mesh is (pp, dp))."""
 
     @property
     def bubble(self) -> float:
@@ -423,6 +425,11 @@ class PpPlan:
             f"blocks; imbalance (max / mean stage FLOPs) {self.imbalance:.2f}; bubble "
             f"{self.bubble:.0%}"
             + "".join(f"; {' = '.join(names)} tied (gradients summed)" for names in self.tied)
+            + (
+                f"; each stage on {self.dp} ranks, fsdp over them (mesh pp x dp)"
+                if self.dp > 1
+                else ""
+            )
         )
 
 

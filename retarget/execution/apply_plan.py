@@ -78,7 +78,7 @@ class Applied:
         of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
         gather_for_metrics gathers over dp), and likewise under cp; otherwise the process
         itself."""
-        if self.pipeline is not None:  # pp alone: every stage reads the same batches
+        if self.pipeline is not None and self.mesh is None:  # pp alone: one batch for all
             return dataclasses.replace(self.state, rank=0, world_size=1)
         if self.context_mesh is not None:
             dp = self.context_mesh["dp"]
@@ -86,7 +86,7 @@ class Applied:
                 self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
             )
         names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
-        if "tp" not in names:
+        if "tp" not in names and "pp" not in names:
             return self.state
         if "dp" not in names:
             return dataclasses.replace(self.state, rank=0, world_size=1)
@@ -175,8 +175,11 @@ def _wrapped(applied: Applied) -> str:
 
 def _wrapper_of(applied: Applied) -> str:
     if applied.kind == "pp":
-        plan = applied.pipeline.plan
-        return f"pipeline stage {applied.state.rank} of {plan.size} ({plan.schedule})"
+        run = applied.pipeline
+        text = f"pipeline stage {run.rank} of {run.plan.size} ({run.plan.schedule})"
+        if applied.mesh is not None:
+            text += f" + fully_shard per stage (mesh pp x dp {tuple(applied.mesh.shape)})"
+        return text
     if applied.kind == "tp":
         mesh = tuple(applied.mesh.shape)
         return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"
@@ -234,14 +237,27 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 
 
 def _apply_pp(program: Program, state: ProcessState) -> Applied:
-    """This rank's pipeline stage (execution.pipeline_stages); the model's weights stay whole."""
+    """This rank's pipeline stages (execution.pipeline_stages); under fsdp+pp on a (pp, dp)
+    mesh, each stage module sharded with fully_shard over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from retarget.execution.pipeline_stages import apply_pipeline
 
     example = program.example
     ids = example.kwargs.get("input_ids", example.args[0] if example.args else None)
     broadcast_module_states(program.module)  # every stage starts from rank 0's weights
-    run = apply_pipeline(program.module, program.original, program.plan.pp, ids, state)
-    return Applied("pp", state, pipeline=run)
+    pp, fsdp, mesh, shard = program.plan.pp, program.plan.fsdp, None, None
+    if fsdp is not None:
+        mesh = init_device_mesh(
+            state.device.type, (pp.size, state.world_size // pp.size), mesh_dim_names=("pp", "dp")
+        )
+        shard = {
+            "mesh": mesh["dp"],
+            "reshard_after_forward": fsdp.reshard_after_forward,
+            "mp_policy": mixed_precision_policy(fsdp),
+        }
+    run = apply_pipeline(program.module, program.original, pp, ids, state, mesh, shard)
+    return Applied("pp", state, pipeline=run, mesh=mesh)
 
 
 # -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------

@@ -43,6 +43,7 @@ refused, naming forward_backward and unwrap().
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -114,29 +115,45 @@ class PipelineRun:
                 continue
             if tied.param.grad is None:
                 tied.param.grad = torch.zeros_like(tied.param)
-            dist.all_reduce(tied.param.grad, group=tied.group)
+            grad = tied.param.grad  # under fsdp+pp a DTensor: the same shard on every holder
+            dist.all_reduce(getattr(grad, "_local_tensor", grad), group=tied.group)
 
     def held_keys(self, module: nn.Module) -> set[str]:
         """The keys of `module`'s state dict whose tensors this rank's stage owns."""
         return {
             key
             for key, tensor in module.state_dict(keep_vars=True).items()
-            if isinstance(tensor, Tensor) and tensor.data_ptr() in self.held
+            if isinstance(tensor, Tensor) and local_pointer(tensor) in self.held
         }
 
     def share_weights(self, module: nn.Module) -> None:
         """Give every rank the trained weights of every stage: each tensor of `module`'s state
-        dict is broadcast from the first rank whose stages own it (a collective)."""
+        dict is broadcast from the first rank whose stages own it (a collective). Under
+        fsdp+pp the owner first gathers a sharded one whole (over its dp ranks), and every
+        sharded parameter of `module` is replaced by a plain one holding the whole tensor."""
+        from torch.distributed.tensor import DTensor
+
+        whole: dict[int, nn.Parameter] = {}
         with torch.no_grad():
             for tensor in module.state_dict(keep_vars=True).values():
                 if not isinstance(tensor, Tensor) or not tensor.numel():
                     continue
-                owner = next(
-                    (k for k, part in enumerate(self.storage) if tensor.data_ptr() in part), None
-                )
-                if owner is not None:
-                    source = dist.get_global_rank(self.group, owner)
-                    dist.broadcast(tensor.data, src=source, group=self.group)
+                pointer = local_pointer(tensor)
+                owner = next((k for k, part in enumerate(self.storage) if pointer in part), None)
+                if owner is None:
+                    continue
+                sharded = isinstance(tensor, DTensor)
+                if not sharded:
+                    buffer = tensor.data
+                elif owner == self.rank:
+                    buffer = tensor.full_tensor()
+                else:
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+                source = dist.get_global_rank(self.group, owner)
+                dist.broadcast(buffer, src=source, group=self.group)
+                if sharded:
+                    whole[id(tensor)] = nn.Parameter(buffer, requires_grad=tensor.requires_grad)
+        swap_parameters(module, whole)
 
     @property
     def first(self) -> bool:
@@ -223,10 +240,17 @@ def chain_skips(pipe: Any) -> None:
 
 
 def apply_pipeline(
-    module: nn.Module, original: nn.Module, plan: PpPlan, example_ids: Tensor, state: Any
+    module: nn.Module,
+    original: nn.Module,
+    plan: PpPlan,
+    example_ids: Tensor,
+    state: Any,
+    mesh: Any = None,
+    shard: dict[str, Any] | None = None,
 ) -> PipelineRun:
     """Trace and split `original`, build this rank's stages and schedule; wrap `module`'s
-    calls."""
+    calls. Under fsdp+pp `mesh` is the (pp, dp) mesh and `shard` fully_shard's arguments for
+    each of this rank's stage modules."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -236,7 +260,10 @@ def apply_pipeline(
         pipeline,
     )
 
-    group = dist.group.WORLD
+    if mesh is None:
+        group, rank = dist.group.WORLD, state.rank
+    else:
+        group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
     traced = pipeline(
         _Logits(original),
         (example_ids[: plan.microbatch_rows],),
@@ -245,9 +272,16 @@ def apply_pipeline(
     chain_skips(traced)
     ranks = [stage.rank for stage in plan.stages]  # stage i runs on rank i mod size
     used = use_original_parameters(traced, original, len(ranks))
-    tied = _tied_weights(used, ranks)
+    tied = _tied_weights(used, ranks, mesh)
+    mine = [stage.index for stage in plan.stages_of(rank)]
+    if shard is not None:
+        replaced = _shard_stages(traced, mine, used, shard)
+        # Also in the stage modules of the other ranks (never run here): every rank then
+        # finds each of its tensors in the same stages (`storage`).
+        for tree in (module, original, traced.split_gm):
+            swap_parameters(tree, replaced)
+        tied = [dataclasses.replace(t, param=replaced.get(id(t.param), t.param)) for t in tied]
     storage = _rank_storage(traced, ranks, plan.size, original)
-    mine = [stage.index for stage in plan.stages_of(state.rank)]
     stages = [traced.build_stage(index, state.device, group) for index in mine]
     vocab = original.config.vocab_size
 
@@ -264,7 +298,7 @@ def apply_pipeline(
     driven = stages if plan.stages_per_rank > 1 else stages[0]
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    return PipelineRun(plan, schedule, state.rank, group, storage, tied)
+    return PipelineRun(plan, schedule, rank, group, storage, tied)
 
 
 def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
@@ -287,10 +321,57 @@ def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> li
     return used
 
 
-def _tied_weights(used: list[dict[int, Any]], ranks: list[int]) -> list[TiedWeight]:
+def _shard_stages(
+    traced: Any, mine: list[int], used: list[dict[int, Any]], shard: dict[str, Any]
+) -> dict[int, nn.Parameter]:
+    """fully_shard each of this rank's stage modules over the dp ranks (one unit per stage:
+    its graph reads every parameter itself); the sharded Parameter that replaced each original
+    one, by the original's id. Refused: a weight two of this rank's stages use (each stage's
+    fully_shard would make its own copy of it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    seen: dict[int, int] = {}
+    for index in mine:
+        for key in used[index]:
+            if key in seen:
+                raise NotImplementedError(
+                    f"fsdp+pp: a weight is used by stages {seen[key]} and {index}, which both "
+                    "run on this rank; sharding them one by one would give each its own copy. "
+                    "Use another pp[stages_per_rank=...] or pp without fsdp"
+                )
+            seen[key] = index
+    replaced: dict[int, nn.Parameter] = {}
+    for index in mine:
+        stage_module = traced.get_stage_module(index)
+        before = dict(stage_module.named_parameters(remove_duplicate=False))
+        fully_shard(stage_module, **shard)
+        for name, param in stage_module.named_parameters(remove_duplicate=False):
+            if param is not before[name]:
+                replaced[id(before[name])] = param
+    return replaced
+
+
+def swap_parameters(module: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    """Register `replaced[id(p)]` wherever `module`'s tree holds a parameter p in it."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in replaced:
+                sub._parameters[name] = replaced[id(param)]
+
+
+def local_pointer(tensor: Tensor) -> int:
+    """Where a tensor's elements on this rank live: its own storage, or a DTensor's shard's."""
+    local = getattr(tensor, "_local_tensor", None)
+    return (tensor if local is None else local).data_ptr()
+
+
+def _tied_weights(
+    used: list[dict[int, Any]], ranks: list[int], mesh: Any = None
+) -> list[TiedWeight]:
     """The weights used by stages on more than one rank (`ranks[i]`: stage i's), each with a
     process group of those ranks (made on every rank, in the same order: new_group is
-    collective)."""
+    collective). Under fsdp+pp (`mesh` (pp, dp)) one group per dp index, of the ranks at that
+    index; this rank keeps its own."""
     users: dict[int, list[int]] = {}
     params: dict[int, Any] = {}
     for stage, mine in enumerate(used):
@@ -302,7 +383,14 @@ def _tied_weights(used: list[dict[int, Any]], ranks: list[int]) -> list[TiedWeig
     for key, holders in users.items():
         if len(holders) > 1:
             holders.sort()
-            group = dist.new_group(holders)
+            if mesh is None:
+                group = dist.new_group(holders)
+            else:
+                grid = mesh.mesh.tolist()  # global ranks, [pp][dp]
+                groups = [
+                    dist.new_group([grid[h][d] for h in holders]) for d in range(len(grid[0]))
+                ]
+                group = groups[mesh["dp"].get_local_rank()]
             tied.append(TiedWeight(params[key], tuple(holders), group))
     return tied
 
@@ -316,7 +404,7 @@ def _rank_storage(
 
     def storage(module: nn.Module) -> set[int]:
         tensors = [*module.parameters(), *module.buffers()]
-        return {t.data_ptr() for t in tensors if t.numel()}
+        return {local_pointer(t) for t in tensors if t.numel()}
 
     parts: list[set[int]] = [set() for _ in range(size)]
     for index, rank in enumerate(ranks):

@@ -77,12 +77,12 @@ STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (
     # that changes the blocks' modules (the split ones are the final ones), before FSDP:
     # torchtitan's order, parallelize first, then fully_shard over the dp mesh dim.
     (frozenset({"tp"}), ShardTp),
+    # pp: the repeated blocks cut into stages, balanced by FLOPs (requires shapes). Before
+    # FSDP: under fsdp+pp each stage is one FSDP unit, planned from the stages.
+    (frozenset({"pp"}), SplitStages),
     # fsdp/zero2/zero3/hsdp(+offload): FSDP2 units per repeated block plus the root, mixed
     # precision policy from bf16/fp16. Last rewrite of modules, like ddp, for the same reason.
     (frozenset({*FSDP_STRATEGIES, "offload"}), ShardFsdp),
-    # pp: the repeated blocks cut into stages, balanced by FLOPs (requires shapes). Runs
-    # alone so far (spec/rules.py), so its place among the distribution decisions is free.
-    (frozenset({"pp"}), SplitStages),
     # fp16-comm/bf16-comm/powersgd: DDP communication hook, on the DDP wrap (requires ddp).
     (frozenset({"fp16-comm", "bf16-comm", "powersgd"}), InstallCommHook),
     # xla: where each parameter lives on the XLA devices (SPMD shards or one device). After

@@ -150,7 +150,8 @@ def clip_grad_norm_over_stages(
     only: the norms of `counted` (the parameters whose norm this rank counts: a weight tied
     across stages is counted on one of them) are combined over the pipeline's process group (a
     sum of p-th powers, or the max for the inf-norm), so every stage clips by the same factor,
-    the one a single process would use."""
+    the one a single process would use. Under fsdp+pp a stage's gradients are DTensor shards:
+    their norm is combined over the stage's dp ranks first."""
     import math
 
     import torch.distributed as dist
@@ -158,6 +159,8 @@ def clip_grad_norm_over_stages(
     held = [p for p in params if p.grad is not None]
     mine = [p.grad for p in counted if p.grad is not None]
     local = torch.nn.utils.get_total_norm(mine, norm_type) if mine else torch.zeros(())
+    if hasattr(local, "full_tensor"):  # fsdp+pp: the stage's norm over its dp shards
+        local = local.full_tensor()
     local = local.to(torch.float32)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

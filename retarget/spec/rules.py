@@ -60,11 +60,13 @@ _CP_CONFLICTS = {
     "quant": f"'quant' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
     "offload": f"'offload' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
 }
-#: Parts pp combines with (none yet: pipeline parallelism runs alone, in float32).
+#: Parts pp combines with: FSDP2 over the data-parallel ranks of each stage (fsdp+pp).
+_PP_WITH = ("fsdp", "zero3", "zero2")
 _PP_ALONE = (
-    "pipeline parallelism runs alone so far (pp[size] = the number of processes, float32): "
-    "its stages are torch.distributed.pipelining's split of the exported model, which the "
-    "other passes do not rewrite yet"
+    "pipeline parallelism runs alone or beside fsdp/zero3/zero2 so far (fsdp+pp[size=N]: "
+    "N stages, FSDP2 over the world / N ranks of each), in float32: its stages are "
+    "torch.distributed.pipelining's split of the exported model, which the other passes do "
+    "not rewrite yet"
 )
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {
@@ -110,7 +112,7 @@ CONFLICTS: dict[frozenset[str], str] = {
 }
 #: Parts that combine only with the listed ones.
 ONLY_WITH = {
-    "pp": ((), _PP_ALONE),
+    "pp": (_PP_WITH, _PP_ALONE),
     "xla": (
         ("bf16",),
         "XLA compiles and distributes the whole step itself (xla[sharding=fsdp] shards the "

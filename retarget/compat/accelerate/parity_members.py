@@ -25,7 +25,7 @@ _FP8_BACKENDS = {"te": "TE", "msamp": "MSAMP", "torchao": "AO"}
 
 class ParityMembers:
     """dataloader settings, parallelism facts, scaler, gradient_state and the members of
-    Accelerate's features retarget does not have (LOMO, pipeline ranks)."""
+    Accelerate's features retarget does not have (LOMO, Ulysses adapters)."""
 
     # -- dataloader settings (DataLoaderConfiguration) --------------------------------------
 
@@ -102,19 +102,26 @@ class ParityMembers:
             replicate, shard, cp, sp, tp = (getattr(config, f, 1) or 1 for f in fields)
             return replicate, shard, max(cp, sp), tp
         sizes = {}
-        for part_name in ("tp", "cp"):
+        for part_name in ("tp", "cp", "pp"):
             part = self.target.get(part_name)
             if part is not None:
                 sizes[part_name] = int(dict(part.options).get("size", 0)) or self.num_processes
         if not sizes:
             raise RuntimeError(f"{name}: no parallelism is configured (parallelism_config, tp, cp)")
-        tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
-        return 1, self.num_processes // (tp * cp), cp, tp
+        tp, cp, pp = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("pp", 1)
+        return 1, self.num_processes // (tp * cp * pp), cp, tp
+
+    def _pipeline_size(self) -> int:
+        part = self.target.get("pp")
+        if part is None:
+            return 1
+        return int(dict(part.options).get("size", 0)) or self.num_processes
 
     def _rank_on(self, name: str, dim: int) -> int:
-        """This process's coordinate on dim `dim` of (replicate, shard, cp, tp), tp innermost."""
+        """This process's coordinate on dim `dim` of (replicate, shard, cp, tp), tp innermost
+        (under fsdp+pp within its stage's ranks: pp is the outermost dim)."""
         sizes = self._mesh_sizes(name)
-        rank, coords = self.process_index, []
+        rank, coords = self.process_index % (self.num_processes // self._pipeline_size()), []
         for size in reversed(sizes):
             coords.append(rank % size)
             rank //= size
@@ -127,12 +134,13 @@ class ParityMembers:
 
     @property
     def pipeline_parallel_rank(self) -> int:
-        """The stage this process runs under a pp target (pp runs alone: the process index)."""
+        """The stage this process runs under a pp target: its coordinate on the outermost
+        mesh dim (pp alone: the process index; fsdp+pp[size=N]: index // (world / N))."""
         if self.target.get("pp") is None:
             raise RuntimeError(
                 "pipeline_parallel_rank: the target has no pipeline parallelism (pp[size=N])"
             )
-        return self.process_index
+        return self.process_index // (self.num_processes // self._pipeline_size())
 
     @contextlib.contextmanager
     def maybe_context_parallel(

@@ -2,7 +2,7 @@
 
 Contract: requires regions | provides fsdp
     | after swap_fp8, quantize_linears, insert_autocast, checkpoint_blocks, compile_regions,
-    shard_tp
+    shard_tp, split_stages
     | numerics exact | options FsdpOptions
 
 Units: every repeated block find_blocks found (`program.blocks`: each LlamaDecoderLayer, each
@@ -20,6 +20,8 @@ Variants, all FSDP2 with a different mesh or reshard setting:
   gradients and optimizer state sharded;
 - hsdp: 2-D mesh (replicate, shard): shard within a group, replicate across groups;
   `hsdp[replicate=R,shard=S]`, by default one group per machine;
+- fsdp+pp[size=N]: a (pp, dp) mesh; each pipeline stage is one unit sharded over the
+  world / N ranks that run it (`stage_units`, PP_UNITS says why not per block);
 - offload: FSDP2's CPUOffloadPolicy; parameters, gradients and the optimizer step live on the
   CPU. Memory is pinned only when an accelerator is present (pinning needs one: docs/facts.md).
 
@@ -44,12 +46,10 @@ pieces); the runtime applies it (`retarget.execution.apply_plan`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import FsdpPlan, FsdpUnit
@@ -57,7 +57,13 @@ from retarget.core.world import World
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.shard.shard_tp import fsdp_shapes
+from retarget.passes.shard.fsdp_units import (
+    PP_UNITS,
+    Unit,
+    plan_units,
+    stage_units,
+    unit_note,
+)
 from retarget.spec.grammar import Target
 from retarget.spec.precisions import LOW_DTYPES, dtype_name
 from retarget.spec.strategies import FSDP_STRATEGIES
@@ -65,7 +71,6 @@ from retarget.spec.values import parse_dtype
 
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
 REDUCE_DTYPE = "float32"
-ROOT_UNIT = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +96,8 @@ class FsdpOptions:
     """CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU."""
     tp_size: int = 1
     """fsdp+tp: the tensor-parallel degree; FSDP shards over the world / tp_size dp ranks."""
+    pp_size: int = 1
+    """fsdp+pp: the pipeline degree; FSDP shards each stage over the world / pp_size ranks."""
     pin_memory: str = "auto"
     """offload: pin the CPU copies (auto: only when an accelerator is present)."""
     load_from_rank0: bool = False
@@ -112,7 +119,7 @@ class FsdpOptions:
         """Options from the target's sharded part, its offload part and its precision part."""
         part = next(target.get(n) for n in FSDP_STRATEGIES if n in target)
         values = part.as_dict()
-        _refuse_unsupported(part, "tp" in target)
+        _refuse_unsupported(part, "tp" in target, "pp" in target)
         precision = next((n for n in LOW_DTYPES if n in target), None)
         kwargs: dict[str, Any] = {
             "strategy": part.name,
@@ -126,6 +133,7 @@ class FsdpOptions:
             "param_dtype": dtype_name(LOW_DTYPES[precision]) if precision else None,
             "reduce_dtype": REDUCE_DTYPE if precision else None,
             "tp_size": (target.get("tp").get("size") or 1) if "tp" in target else 1,
+            "pp_size": (target.get("pp").get("size") or 0) if "pp" in target else 1,
         }
         offload = target.get("offload")
         if offload is not None:
@@ -141,7 +149,8 @@ class FsdpOptions:
     def mesh_shape(self, world: World) -> tuple[int, ...]:
         """(size,) for a 1-D mesh; (replicate, shard) for hsdp. ValueError if it does not fit."""
         if self.strategy != "hsdp":
-            return (max(world.size // self.tp_size, 1),)
+            # pp[size=0] (the whole world) leaves one rank per stage
+            return (max(world.size // (self.tp_size * (self.pp_size or world.size)), 1),)
         return world.hsdp_mesh(self.replicate, self.shard)
 
     def pin(self) -> bool:
@@ -150,9 +159,15 @@ class FsdpOptions:
         return self.pin_memory == "true"
 
 
-def _refuse_unsupported(part: Any, with_tp: bool) -> None:
+def _refuse_unsupported(part: Any, with_tp: bool, with_pp: bool = False) -> None:
     if not part.get("cpu_ram_efficient_loading"):
         return
+    if with_pp:
+        raise TargetNotSupportedError(
+            f"'{part}' with pp: loading the weights on rank 0 only is not implemented under "
+            "pipeline parallelism; drop cpu_ram_efficient_loading (every rank then builds the "
+            "model, and the stages start from rank 0's values)"
+        )
     if not part.get("sync_module_states"):
         raise TargetNotSupportedError(
             f"'{part}': cpu_ram_efficient_loading=true gives every rank rank 0's weights, which "
@@ -164,28 +179,6 @@ def _refuse_unsupported(part: Any, with_tp: bool) -> None:
             "tensor parallelism; drop cpu_ram_efficient_loading (every rank then builds the "
             "model, and tp starts from rank 0's values)"
         )
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One fully_shard call: the module at `path` ("" is the root) and what it holds."""
-
-    path: str
-    block_type: str
-    parameters: int
-    shapes: tuple[tuple[int, ...], ...]
-    """The shapes FSDP2 chunks on dim 0 (under fsdp+tp: what tp left on a rank)."""
-    whole: tuple[tuple[int, ...], ...] = ()
-    """Shapes every rank keeps whole (fsdp+tp's fused parts that no dim lets dp divide)."""
-
-    def per_rank(self, mesh: tuple[int, ...]) -> list[int]:
-        """Elements each rank holds, in rank order (mesh rows are replica groups)."""
-        shards = mesh[-1]
-        kept = sum(math.prod(shape) for shape in self.whole)
-        return [
-            kept + sum(local_numel(shape, shards, rank % shards) for shape in self.shapes)
-            for rank in range(math.prod(mesh))
-        ]
 
 
 class ShardFsdp(Pass):
@@ -203,6 +196,7 @@ class ShardFsdp(Pass):
         "checkpoint_blocks",
         "compile_regions",
         "shard_tp",
+        "split_stages",
     )
     Options = FsdpOptions
 
@@ -216,7 +210,10 @@ class ShardFsdp(Pass):
     def run(self, program: Program) -> PassResult:
         world = program.world
         mesh = self.options.mesh_shape(world)
-        units, kept = plan_units(program, self.options.min_params, mesh[-1])
+        if program.plan.pp is not None:
+            units, kept = stage_units(program), [PP_UNITS]
+        else:
+            units, kept = plan_units(program, self.options.min_params, mesh[-1])
         program.plan.fsdp = fsdp_plan(self.options, world, mesh, units)
         notes = [unit_note(u, mesh) for u in units]
         notes += kept
@@ -259,7 +256,9 @@ def fsdp_plan(
         strategy=options.strategy,
         world=world,
         mesh_shape=tuple(mesh),
-        mesh_dims=("dp",) if options.tp_size > 1 else ("replicate", "shard")[-len(mesh) :],
+        mesh_dims=("dp",)
+        if options.tp_size > 1 or options.pp_size != 1
+        else ("replicate", "shard")[-len(mesh) :],
         reshard_after_forward=options.reshard_after_forward,
         sync_module_states=options.sync_module_states,
         load_from_rank0=options.load_from_rank0,
@@ -279,78 +278,6 @@ def fsdp_plan(
             for u in units
         ),
     )
-
-
-def plan_units(program: Program, min_params: int, dp: int = 1) -> tuple[list[Unit], list[str]]:
-    """The repeated blocks that become units, then the root unit; notes on blocks kept out.
-    `dp`: the ranks a unit is sharded over (under fsdp+tp, fused parts may be kept whole)."""
-    root = program.module
-    owners: dict[int, set[str]] = {}
-    for name, param in root.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), set()).add(name)
-    units: list[Unit] = []
-    taken: set[int] = set()
-    notes: list[str] = []
-    # fsdp+tp: FSDP shards what tp left on each rank (tp's plan runs first).
-    tp = program.plan.tp
-    split, kept_whole = fsdp_shapes(program, tp, dp) if tp is not None else ({}, set())
-
-    def unit(path: str, block_type: str, params: list[nn.Parameter]) -> Unit:
-        return Unit(
-            path,
-            block_type,
-            sum(p.numel() for p in params),
-            tuple(split.get(id(p), tuple(p.shape)) for p in params if id(p) not in kept_whole),
-            tuple(split[id(p)] for p in params if id(p) in kept_whole),
-        )
-
-    whole = next((r for r in program.regions if "" in r.paths and not r.eager_only), None)
-    if whole is not None and program.blocks:
-        # The root's graph reads the blocks' parameters itself instead of calling the blocks,
-        # so a block's FSDP hooks would never gather them: the root is the only unit.
-        notes.append(
-            "the whole model runs as one captured graph (capture='whole'): blocks are not "
-            "called as modules, so the root is the only FSDP unit"
-        )
-    for group in program.blocks if whole is None else ():
-        for path in group.paths:
-            params = _unique(program.submodule(path))
-            count = sum(p.numel() for p in params)
-            shared = any(not n.startswith(path + ".") for p in params for n in owners[id(p)])
-            if shared or count < min_params:
-                why = (
-                    "shares parameters with modules outside it"
-                    if shared
-                    else (f"{count:,} parameters < min_params={min_params:,}")
-                )
-                notes.append(f"{path}: stays in the root unit ({why})")
-                continue
-            units.append(unit(path, group.block_type, params))
-            taken.update(id(p) for p in params)
-    rest = [p for p in _unique(root) if id(p) not in taken]
-    units.append(unit(ROOT_UNIT, type(program.original).__name__, rest))
-    return units, notes
-
-
-def _unique(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.parameters())
-
-
-def local_numel(shape: tuple[int, ...], shards: int, index: int) -> int:
-    """Elements of a parameter of `shape` that shard `index` of `shards` holds (dim-0 chunks)."""
-    if not shape:
-        return 1 if index == 0 else 0
-    rows = shape[0]
-    chunk = math.ceil(rows / shards)
-    start = index * chunk
-    return max(0, min(rows, start + chunk) - start) * math.prod(shape[1:])
-
-
-def unit_note(unit: Unit, mesh: tuple[int, ...]) -> str:
-    per_rank = unit.per_rank(mesh)
-    shown = ", ".join(f"{n:,}" for n in per_rank[:8]) + (" ..." if len(per_rank) > 8 else "")
-    where = unit.path or "<root>"
-    return f"unit {where} ({unit.block_type}): {unit.parameters:,} parameters; per rank {shown}"
 
 
 def mixed_precision_note(options: FsdpOptions) -> str:

@@ -16,11 +16,15 @@ and `retarget inspect --target "pp[size=4]" --world-size 4` print it in one proc
 shared by several modules (an LM head tied to the embedding) are recorded (`PpPlan.tied`):
 every stage that uses one holds it and their gradients are summed (execution/pipeline_stages).
 
-Refused before anything runs, naming the value: a degree that is not the world (pp runs alone
-so far), fewer blocks than stages, no repeated blocks, a microbatch count that does not divide
-the example's rows, stages_per_rank=1 with a looped schedule and K > 1 with gpipe or 1f1b, a
-looped schedule's microbatch count that torch's rounds do not divide, no example inputs (the
-stages are traced on a microbatch of it).
+Beside fsdp (fsdp+pp[size=N]) the world is a (pp, dp) mesh, pp outermost as torchtitan lays
+it out: N stages, each run by world / N ranks that FSDP2 shards it over, each of those reading
+its own batches (the loader divides over dp).
+
+Refused before anything runs, naming the value: a degree that is not the world (pp alone) or
+does not divide it (fsdp+pp), fewer blocks than stages, no repeated blocks, a microbatch count
+that does not divide the example's rows, stages_per_rank=1 with a looped schedule and K > 1
+with gpipe or 1f1b, a looped schedule's microbatch count that torch's rounds do not divide, no
+example inputs (the stages are traced on a microbatch of it).
 
 Numerics: torch's schedules average the microbatches' gradients; with equal token counts per
 microbatch that is the whole batch's mean to float32 rounding.
@@ -36,6 +40,7 @@ from retarget.core.plans import PpPlan, PpStage
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.spec.grammar import PARTS, Target
+from retarget.spec.strategies import FSDP_STRATEGIES
 
 _SCHEMA = PARTS["pp"].options
 #: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them):
@@ -101,10 +106,17 @@ class SplitStages(Pass):
         options, world = self.options, program.world.size
         size = options.size or world
         where = f"pp[size={size}]"
-        if size < 2 or size != world:
+        sharded = program.plan.fsdp is not None or any(n in program.target for n in FSDP_STRATEGIES)
+        if size < 2 or world % size or (size != world and not sharded):
+            beside = (
+                f"a divisor of the {program.world.describe()} (fsdp shards each stage over the "
+                "rest)"
+                if sharded
+                else f"the {program.world.describe()} (or add fsdp: fsdp+pp[size=N] shards "
+                "each stage over world / N ranks)"
+            )
             raise TargetNotSupportedError(
-                f"{where}: pipeline parallelism runs alone so far, one stage per process: the "
-                f"degree must be the {program.world.describe()} and at least 2"
+                f"{where}: the pipeline degree must be at least 2 and {beside}"
             )
         per_rank = _stages_per_rank(options, where)
         count = size * per_rank
@@ -171,6 +183,7 @@ class SplitStages(Pass):
             split_points=tuple(s.blocks[0] for s in stages[1:]),
             microbatch_rows=rows // microbatches,
             tied=tied,
+            dp=world // size,
         )
         stats = {"stages": count, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
@@ -86,7 +87,8 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Under FSDP the shards are gathered: every rank must call it, and only rank 0 receives
     the tensors (the others get an empty dict, so that N full copies never exist at once).
     Under pp each stage's trained tensors are its own rank's (every rank holds the whole
-    model, the other stages' weights as they were built): rank 0 receives each rank's part.
+    model, the other stages' weights as they were built): rank 0 receives each rank's part
+    (under fsdp+pp gathered whole over the stage's dp ranks first).
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)
@@ -96,7 +98,11 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     # torch's full state dict reaches rank 0 only: each rank reads its own part itself.
     plain = _peel(model)
     keys = applied.pipeline.held_keys(plain)
-    own = {k: v.detach().cpu() for k, v in plain.state_dict().items() if k in keys}
+    own = {  # fsdp+pp: a stage's shards gathered whole over its dp ranks (a collective)
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in plain.state_dict().items()
+        if k in keys
+    }
     state = ProcessState.current()
     parts: list[Any] | None = [None] * state.world_size if state.is_main_process else None
     dist.gather_object(own, parts, dst=0)

@@ -101,23 +101,45 @@ def batch(seed: int = 1, rows: int = ROWS) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _one_step(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
-    """One forward_backward per (model, schedule) against one process; each rank's gradients."""
+def mine(data: dict[str, torch.Tensor], compiled: Any) -> dict[str, torch.Tensor]:
+    """This rank's rows of a batch: its data-parallel share (pp alone: the whole batch)."""
+    rank, size = compiled.runtime.data_parallel_rank, compiled.runtime.data_parallel_size
+    return {k: v.chunk(size)[rank] for k, v in data.items()}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as one process holds it (fsdp+pp's DTensor shards gathered over dp)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gradient_errors(compiled: Any, reference: torch.nn.Module) -> dict[str, float]:
+    """Per parameter with a gradient on this rank: its error relative to one process's."""
+    grads = dict(reference.named_parameters())
+    return {
+        name: float((whole(p.grad) - grads[name].grad).abs().max() / grads[name].grad.abs().max())
+        for name, p in compiled.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _one_step(
+    rank: int, world: int, cases: list[tuple[str, str]], base: str = ""
+) -> dict[str, Any]:
+    """One forward_backward per (model, schedule) against one process on the whole batch;
+    each rank's gradients. `base`: a strategy beside pp ("fsdp+": each dp rank its rows)."""
     out = {}
     for name, schedule in cases:
         build = MODELS[name]
-        data = batch()
+        data = batch(rows=ROWS * world // 2 if base else ROWS)
         reference = build()
         expected = reference(**data).loss
         expected.backward()
-        compiled = retarget.compile_for(build(), f"pp[schedule={schedule}]", example_inputs=data)
-        loss = compiled.runtime.forward_backward(data)
-        grads = dict(reference.named_parameters())
-        errors = {
-            name: float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max())
-            for name, p in compiled.named_parameters()
-            if p.grad is not None
-        }
+        target = f"{base}pp[size=2,schedule={schedule}]" if base else f"pp[schedule={schedule}]"
+        compiled = retarget.compile_for(build(), target, example_inputs=batch())
+        loss = compiled.runtime.forward_backward(mine(data, compiled))
+        errors = gradient_errors(compiled, reference)
+        dp = compiled.runtime.data_parallel_size
+        loss = whole_loss(loss, compiled) if dp > 1 else loss
         try:
             compiled(**data)
             refused = ""
@@ -131,6 +153,7 @@ def _one_step(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, 
                 compiled.runtime.data_parallel_rank,
                 compiled.runtime.data_parallel_size,
             ),
+            "wrapped": compiled.program.plan.applied.wrapped,
         }
     return out
 
@@ -166,22 +189,34 @@ def test_two_ranks_equal_one_process_for_each_schedule():
     assert "model.embed_tokens.weight" in llama_held and "lm_head.weight" not in llama_held
 
 
-def _training(rank: int, world: int, steps: int) -> dict[str, list[float]]:
+def whole_loss(loss: torch.Tensor, compiled: Any) -> torch.Tensor:
+    """The mean of the dp ranks' losses (each rank's is its own rows' mean)."""
+    import torch.distributed as dist
+
+    mesh = compiled.runtime.applied.mesh
+    loss = loss.clone()
+    dist.all_reduce(loss, group=mesh["dp"].get_group())
+    return loss / mesh["dp"].size()
+
+
+def _training(rank: int, world: int, steps: int, target: str = "pp") -> dict[str, list[float]]:
     """SGD steps clipped to a norm of 1 (the stages' norms combined into the whole model's)."""
     reference = llama()
-    compiled = retarget.compile_for(llama(), "pp", example_inputs=batch())
+    compiled = retarget.compile_for(llama(), target, example_inputs=batch())
+    dp = compiled.runtime.data_parallel_size
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     out: dict[str, list[float]] = {"ours": [], "theirs": [], "norms": [], "ref_norms": []}
     for step in range(steps):
-        data = batch(seed=100 + step % 2)  # two batches in turn: the loss must fall
+        data = batch(seed=100 + step % 2, rows=ROWS * dp)  # two batches in turn: the loss falls
         loss = reference(**data).loss
         loss.backward()
         out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
         ref_opt.step()
         ref_opt.zero_grad()
         out["theirs"].append(float(loss))
-        out["ours"].append(float(compiled.runtime.forward_backward(data)))
+        ours = compiled.runtime.forward_backward(mine(data, compiled))
+        out["ours"].append(float(whole_loss(ours, compiled) if dp > 1 else ours))
         out["norms"].append(float(compiled.runtime.clip_grad_norm_(compiled.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
@@ -194,7 +229,9 @@ def _training(rank: int, world: int, steps: int) -> dict[str, list[float]]:
     return out
 
 
-def _checkpoint(rank: int, world: int, folder: str, name: str) -> dict[str, Any]:
+def _checkpoint(
+    rank: int, world: int, folder: str, name: str, target: str = "pp"
+) -> dict[str, Any]:
     """Adam for 3 steps, save_state and save_model, 2 more steps; a fresh pipelined model
     loaded from the checkpoint takes the same 2 steps bit for bit. The saved model's tensors
     equal the live ones of the stage that trained them."""
@@ -205,17 +242,18 @@ def _checkpoint(rank: int, world: int, folder: str, name: str) -> dict[str, Any]
     from retarget.runtime.state.save_model import save_model
 
     def fresh() -> tuple[Any, Any]:
-        compiled = retarget.compile_for(MODELS[name](), "pp", example_inputs=batch())
+        compiled = retarget.compile_for(MODELS[name](), target, example_inputs=batch())
         return compiled, torch.optim.Adam(compiled.parameters(), lr=1e-3)
 
     def steps(compiled: Any, optimizer: Any, seeds: range) -> None:
+        dp = compiled.runtime.data_parallel_size
         for seed in seeds:
-            compiled.runtime.forward_backward(batch(seed=seed))
+            compiled.runtime.forward_backward(mine(batch(seed=seed, rows=ROWS * dp), compiled))
             optimizer.step()
             optimizer.zero_grad()
 
-    def whole(compiled: Any) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in compiled.state_dict().items()}
+    def everything(compiled: Any) -> dict[str, torch.Tensor]:
+        return {k: whole(v).detach().clone() for k, v in compiled.state_dict().items()}
 
     compiled, optimizer = fresh()
     steps(compiled, optimizer, range(3))
@@ -223,15 +261,15 @@ def _checkpoint(rank: int, world: int, folder: str, name: str) -> dict[str, Any]
     save_model(compiled, f"{folder}/model")
     dist.barrier()
     written = load_file(f"{folder}/model/model.safetensors")
-    live = whole(compiled)
+    live = everything(compiled)
     held = compiled.runtime.applied.pipeline.held_keys(compiled)  # what this rank's stage trains
     saved_equal = all(torch.equal(written[k], live[k]) for k in held & written.keys())
     steps(compiled, optimizer, range(3, 5))
-    expected = whole(compiled)
+    expected = everything(compiled)
     resumed, resumed_optimizer = fresh()
     load_state(f"{folder}/state", model=resumed, optimizers=resumed_optimizer)
     steps(resumed, resumed_optimizer, range(3, 5))
-    got = whole(resumed)
+    got = everything(resumed)
     return {
         "bitwise": list(got) == list(expected)
         and all(torch.equal(got[k], expected[k]) for k in got),
@@ -349,6 +387,59 @@ def test_four_stages_equal_one_process():
             assert max(r[schedule]["errors"].values()) < 1e-5, schedule
 
 
+FSDP_PP_CASES = [("llama", "1f1b"), ("qwen2_tied", "interleaved-1f1b"), ("gpt2", "gpipe")]
+
+
+def _fsdp_pp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """fsdp+pp[size=2] on 4 ranks (a (pp, dp) = (2, 2) mesh): one step per model and schedule,
+    20 clipped steps with unwrap(), and a tied model's checkpoint resumed."""
+    return {
+        "step": _one_step(rank, world, FSDP_PP_CASES, base="fsdp+"),
+        "training": _training(rank, world, 20, target="fsdp+pp[size=2]"),
+        "tied": _checkpoint(rank, world, f"{folder}/qwen2", "qwen2_tied", "fsdp+pp[size=2]"),
+        "accelerator": _accelerator_ranks("fsdp+pp[size=2]"),
+    }
+
+
+def _accelerator_ranks(target: str) -> tuple[int, int]:
+    """retarget.Accelerator's (pipeline_parallel_rank, data_parallel_shard_rank)."""
+    accelerator = retarget.Accelerator(target=target)
+    return accelerator.pipeline_parallel_rank, accelerator.data_parallel_shard_rank
+
+
+@pytest.mark.distributed
+def test_fsdp_pp_on_four_ranks_equals_one_process(tmp_path):
+    by_rank = run_ranks(_fsdp_pp, 4, str(tmp_path), timeout=600)
+    # ranks (pp, dp): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)
+    for name, schedule in FSDP_PP_CASES:
+        key = f"{name} {schedule}"
+        results = [r["step"][key] for r in by_rank]
+        assert [r["data_parallel"] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+        held = [set(r["errors"]) for r in results]
+        assert held[0] == held[1] and held[2] == held[3], key  # a stage's dp ranks: its shards
+        assert held[0] | held[2] == {n for n, _ in MODELS[name]().named_parameters()}, key
+        for r in results:
+            assert r["loss_error"] < 1e-5, key
+            assert max(r["errors"].values()) < 1e-5, (key, r["errors"])
+    for training in (r["training"] for r in by_rank):
+        ours, theirs = training["ours"], training["theirs"]
+        assert theirs[-1] < theirs[0]
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(ours, theirs, strict=True))
+        assert abs(training["eval"][0] - training["eval"][1]) <= 1e-4 * training["eval"][1]
+        assert max(training["ref_norms"]) > 1.0
+        assert all(
+            abs(a - b) <= 1e-4 * b
+            for a, b in zip(training["norms"], training["ref_norms"], strict=True)
+        )
+    tied = [r["tied"] for r in by_rank]
+    assert all(c["bitwise"] and c["saved_equal"] for c in tied), tied
+    assert "model.embed_tokens.weight" in tied[2]["changed"] and "lm_head.weight" in tied[0]["held"]
+    # Accelerate's members: pp is the outermost mesh dim
+    assert [r["accelerator"] for r in by_rank] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    wrapped = by_rank[0]["step"]["llama 1f1b"]["wrapped"]
+    assert "fully_shard per stage (mesh pp x dp (2, 2))" in wrapped
+
+
 # -- one process ---------------------------------------------------------------------------
 
 
@@ -417,7 +508,8 @@ def test_plan_for_four_ranks_and_inspect(capsys):
          r"stages_per_rank=1 leaves nothing to interleave"),
         (llama, "pp[stages_per_rank=2]", 2, r"stages_per_rank=2 needs a looped schedule"),
         (llama, "pp[schedule=interleaved-1f1b]", 4, r"fewer than the 8 stages; use fewer ranks"),
-        (llama, "pp[size=2]", 4, r"the degree must be the 4 processes"),
+        (llama, "pp[size=2]", 4, r"pipeline degree must be at least 2 and the 4 processes"),
+        (llama, "fsdp+pp[size=3]", 4, r"at least 2 and a divisor of the 4 processes"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_value(build, target, world, message):
@@ -431,9 +523,34 @@ def test_interleaved_microbatches_must_fill_its_rounds():
         retarget.compile_for(llama(), target, example_inputs=batch(rows=10), world_size=2)
 
 
-def test_pp_runs_alone_so_far():
+def test_pp_combines_with_fsdp_only_so_far():
     with pytest.raises(TargetError, match="'pp' does not combine with 'ddp'"):
         retarget.compile_for(llama(), "ddp+pp", example_inputs=batch(), world_size=2)
+    with pytest.raises(TargetError, match="'pp' does not combine with 'hsdp'"):
+        retarget.compile_for(llama(), "hsdp+pp[size=2]", example_inputs=batch(), world_size=4)
+    with pytest.raises(TargetNotSupportedError, match="with pp: loading the weights on rank 0"):
+        retarget.compile_for(
+            llama(), "fsdp[cpu_ram_efficient_loading=true]+pp[size=2]", example_inputs=batch(),
+            world_size=4,
+        )  # fmt: skip
+
+
+def test_fsdp_pp_plan_shards_each_stage_over_its_dp_ranks():
+    compiled = retarget.compile_for(
+        qwen2_tied(), "fsdp+pp[size=2]", example_inputs=batch(), world_size=4
+    )
+    plan = compiled.program.plan
+    assert (plan.pp.size, plan.pp.dp, plan.fsdp.mesh_shape) == (2, 2, (2,))
+    assert plan.fsdp.mesh_dims == ("dp",)
+    units = plan.fsdp.units
+    assert [u.block for u in units] == ["pipeline stage 0", "pipeline stage 1"]
+    # the tied embedding / head is in both stages' units
+    total = sum(p.numel() for p in qwen2_tied().parameters())
+    embedding = qwen2_tied().model.embed_tokens.weight.numel()
+    assert sum(u.parameters for u in units) == total + embedding
+    text = str(compiled.report)
+    assert "each pipeline stage is one fully_shard unit" in text
+    assert "each stage on 2 ranks, fsdp over them (mesh pp x dp)" in text
 
 
 # -- as a user runs it ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 import retarget
 from retarget.core.errors import TargetNotSupportedError
 from retarget.execution.step_guard import OptimizerNotPrepared
-from retarget.passes.shard.shard_fsdp import local_numel
+from retarget.passes.shard.fsdp_units import local_numel
 from tests import zoo
 from tests.distributed import run_ranks
 from tests.sharded_training import (
