@@ -220,8 +220,10 @@ def _pp_rows(d: dict) -> list[Row]:
     rows, group = [], "pipeline parallelism"
     plan = d.get("plan", {})
     for label, key in (
-        ("Llama-2-7B shapes", "imbalance, Llama-2-7B shapes"),
-        ("measured h512", "imbalance, measured (h512, vocab 1024)"),
+        ("Llama-2-7B ratios", "imbalance, Llama-2-7B ratios, cuts=auto"),
+        ("Llama-2-7B ratios, cuts=blocks", "imbalance, Llama-2-7B ratios, cuts=blocks"),
+        ("h512", "imbalance, measured h512, cuts=auto"),
+        ("h512, cuts=blocks", "imbalance, measured h512, cuts=blocks"),
     ):
         for layers, ratio in plan.get(key, {}).items():
             rows.append(

@@ -144,16 +144,21 @@ def release_replaced(original: nn.Module, current: nn.Module) -> int:
     pinning the memory. `sync_weights_into` fills it again. Returns how many were released.
     """
     kept = {id(p) for p in current.parameters()}
-    count = 0
-    for param in {id(p): p for p in original.parameters()}.values():
-        if id(param) in kept or released(param) or param.numel() <= 1:
-            continue
-        fill = math.nan if param.is_floating_point() else 0
-        one = torch.full((), fill, dtype=param.dtype, device=param.device)
-        param.data = one.expand(param.shape)
-        param.grad = None  # a gradient from before compile_for is full-size too, and stale
-        count += 1
-    return count
+    params = {id(p): p for p in original.parameters()}.values()
+    return sum(release(param) for param in params if id(param) not in kept)
+
+
+def release(param: torch.Tensor) -> bool:
+    """Empty one parameter as `release_replaced` does (identity, shape, dtype, device and
+    requires_grad kept; one NaN element broadcast to the shape); False if there was nothing
+    to free."""
+    if released(param) or param.numel() <= 1 or param.is_meta:
+        return False
+    fill = math.nan if param.is_floating_point() else 0
+    one = torch.full((), fill, dtype=param.dtype, device=param.device)
+    param.data = one.expand(param.shape)
+    param.grad = None  # a gradient from before compile_for is full-size too, and stale
+    return True
 
 
 def released(tensor: torch.Tensor) -> bool:

@@ -368,8 +368,12 @@ class PpStage:
 
     index: int
     blocks: tuple[str, ...]
-    """Paths of its repeated blocks, in order; the first stage also runs the glue before the
-    blocks (embeddings), the last the glue after them (final norm, head, loss)."""
+    """Paths of the repeated blocks it runs, whole or in part, in order; the first stage also
+    runs the glue before the blocks (embeddings), the last the glue after them (final norm,
+    head, loss)."""
+    start: str = ""
+    """The module it begins at: its first block, or a module inside it when the plan cuts
+    inside blocks ("" for the first stage: the model's start)."""
     cost: int
     """Estimated forward FLOPs of the stage (its blocks', plus the head's on the last)."""
     rank: int = 0
@@ -396,6 +400,8 @@ class PpPlan:
     every stage using it holds it, and their gradients are summed after each step."""
     dp: int = 1
     """fsdp+pp: the ranks each stage runs on, FSDP2 sharding it (the mesh is (pp, dp))."""
+    inside_blocks: bool = False
+    """Whether some stage begins inside a block (cuts=auto, whole blocks balancing poorly)."""
 
     @property
     def bubble(self) -> float:
@@ -428,6 +434,11 @@ class PpPlan:
             + (
                 f"; each stage on {self.dp} ranks, fsdp over them (mesh pp x dp)"
                 if self.dp > 1
+                else ""
+            )
+            + (
+                f"; cut inside blocks, at {', '.join(self.split_points)}"
+                if self.inside_blocks
                 else ""
             )
         )

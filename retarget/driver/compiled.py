@@ -92,8 +92,8 @@ class CompiledModule(RetargetedModule):
         beside them). unwrap() gathers the full weights into those same Parameter objects: a
         collective that every rank must call, after which this rank holds a full copy again.
 
-        Under pp each rank holds every stage's weights but trained its own stage only: unwrap()
-        broadcasts each stage's weights from its rank, also a collective.
+        Under pp each rank holds its own stages' weights only (the others are emptied):
+        unwrap() broadcasts each stage's weights from its rank, also a collective.
 
             >>> model = compiled.unwrap()     # every rank, e.g. before generate() or export
         """
@@ -101,6 +101,6 @@ class CompiledModule(RetargetedModule):
         sync_weights_into(self, original)
         applied = applied_of(self)
         if applied is not None and applied.pipeline is not None:
-            # Under pp each rank trained its stage only: the others' weights come from them.
+            # Under pp each rank holds its stages only: the others' weights come from them.
             applied.pipeline.share_weights(original)
         return original

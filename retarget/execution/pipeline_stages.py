@@ -28,12 +28,15 @@ summed over the ranks whose stages use it (`PipelineRun.tied`), the same sum one
 so the copies on those ranks take the same steps and stay equal. Its norm is counted once, on
 the first of them, when `clip_grad_norm_` combines the stages' norms.
 
-Every rank holds the whole model, but only its stage's weights train there: the others keep
-their initial values. `PipelineRun.held` says which tensors are this rank's to save (its
-stage's parameters and buffers; the first stage also any that no stage reads), and
+A rank keeps its stages' weights only: once the stages are built, the other stages'
+parameters are emptied (`core.modules.release`, as fsdp empties the user's copies: same
+Parameter objects, shapes and dtypes, one element of storage), so memory per rank is its
+stages', not the model's. `PipelineRun.held` says which tensors are this rank's to save (its
+stages' parameters and buffers; the first stage also any that no stage reads), and
 `held_keys` names them in a state dict: save_state writes each stage's part from its own rank,
 save_model gathers the parts on rank 0, and `unwrap()` gives every rank every stage's weights
-(`share_weights`, a broadcast from each tensor's stage).
+(`share_weights`, a broadcast from each tensor's first owner, `PipelineRun.owners`, into fresh
+storage for an emptied one).
 
 `PipelineRun.forward_backward(batch)` is the training call (`compiled.runtime.forward_backward`):
 every rank calls it with the same batch; it returns the batch's mean loss on every rank (the
@@ -52,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from retarget.core.modules import release, release_replaced, released
 from retarget.core.plans import PpPlan
 from retarget.core.slots import OUTER_FORWARD
 
@@ -87,15 +91,23 @@ class PipelineRun:
         group: Any,
         storage: list[frozenset[int]],
         tied: list[TiedWeight],
+        owners: dict[str, int],
+        device: torch.device,
     ):
         self.plan = plan
         self.schedule = schedule
         self.rank = rank
         self.group = group
-        #: Per rank, the storage (data_ptr) of the tensors its stages own (module docstring).
+        #: Per rank, the storage (data_ptr) of the tensors its stages own (module docstring),
+        #: as it was when the stages were built.
         self.storage = storage
         #: The weights several stages use, with the ranks that use them.
         self.tied = tied
+        #: Per state dict key, the first rank whose stages own its tensor.
+        self.owners = owners
+        self.device = device
+        #: The other stages' parameters, emptied here and not requiring grad until unwrap().
+        self.frozen: list[nn.Parameter] = []
 
     @property
     def held(self) -> frozenset[int]:
@@ -127,33 +139,27 @@ class PipelineRun:
         }
 
     def share_weights(self, module: nn.Module) -> None:
-        """Give every rank the trained weights of every stage: each tensor of `module`'s state
-        dict is broadcast from the first rank whose stages own it (a collective). Under
-        fsdp+pp the owner first gathers a sharded one whole (over its dp ranks), and every
-        sharded parameter of `module` is replaced by a plain one holding the whole tensor."""
-        from torch.distributed.tensor import DTensor
-
-        whole: dict[int, nn.Parameter] = {}
+        """Give every rank the trained weights of every stage, in `module` (the user's model,
+        its own stage's weights already synced into it): each tensor of its state dict is
+        broadcast from the first rank whose stages own it (a collective); an emptied one gets
+        fresh storage first (the same Parameter object)."""
         with torch.no_grad():
-            for tensor in module.state_dict(keep_vars=True).values():
-                if not isinstance(tensor, Tensor) or not tensor.numel():
+            for key, tensor in module.state_dict(keep_vars=True).items():
+                owner = self.owners.get(key)
+                if owner is None or not isinstance(tensor, Tensor):
                     continue
-                pointer = local_pointer(tensor)
-                owner = next((k for k, part in enumerate(self.storage) if pointer in part), None)
-                if owner is None:
-                    continue
-                sharded = isinstance(tensor, DTensor)
-                if not sharded:
-                    buffer = tensor.data
-                elif owner == self.rank:
-                    buffer = tensor.full_tensor()
+                empty = released(tensor)
+                if empty and owner != self.rank:
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
                 else:
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+                    buffer = tensor.data
                 source = dist.get_global_rank(self.group, owner)
                 dist.broadcast(buffer, src=source, group=self.group)
-                if sharded:
-                    whole[id(tensor)] = nn.Parameter(buffer, requires_grad=tensor.requires_grad)
-        swap_parameters(module, whole)
+                if empty:
+                    tensor.data = buffer
+        for param in self.frozen:
+            param.requires_grad_(True)
+        self.frozen = []
 
     @property
     def first(self) -> bool:
@@ -278,11 +284,25 @@ def apply_pipeline(
         replaced = _shard_stages(traced, mine, used, shard)
         # Also in the stage modules of the other ranks (never run here): every rank then
         # finds each of its tensors in the same stages (`storage`).
-        for tree in (module, original, traced.split_gm):
+        # The user's model keeps its own Parameter objects (emptied below, refilled by
+        # unwrap), as under fsdp alone.
+        for tree in (module, traced.split_gm):
             swap_parameters(tree, replaced)
         tied = [dataclasses.replace(t, param=replaced.get(id(t.param), t.param)) for t in tied]
-    storage = _rank_storage(traced, ranks, plan.size, original)
+    storage = _rank_storage(traced, ranks, plan.size, module)
+    owners = _owners(module, storage)
     stages = [traced.build_stage(index, state.device, group) for index in mine]
+    # Only this rank's stages' weights stay: the others' are emptied (in both models: they
+    # share them), so a rank holds its stages, not the whole model.
+    # They stop requiring grad while emptied (no optimizer may write into one: torch's DCP
+    # fills a fresh optimizer's state with a step over every parameter that requires grad);
+    # unwrap() gives both back.
+    release_replaced(original, module)
+    frozen = []
+    for param in {id(p): p for p in module.parameters()}.values():
+        if local_pointer(param) not in storage[rank] and release(param) and param.requires_grad:
+            param.requires_grad_(False)
+            frozen.append(param)
     vocab = original.config.vocab_size
 
     def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
@@ -298,7 +318,9 @@ def apply_pipeline(
     driven = stages if plan.stages_per_rank > 1 else stages[0]
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    return PipelineRun(plan, schedule, rank, group, storage, tied)
+    run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device)
+    run.frozen = frozen
+    return run
 
 
 def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
@@ -396,11 +418,11 @@ def _tied_weights(
 
 
 def _rank_storage(
-    traced: Any, ranks: list[int], size: int, original: nn.Module
+    traced: Any, ranks: list[int], size: int, model: nn.Module
 ) -> list[frozenset[int]]:
     """Per rank, the storage of the tensors it saves: its stages' parameters and buffers;
-    rank 0's also those of `original` that no stage holds (an unused one). Read before
-    build_stage."""
+    rank 0's also those of `model` (the compiled model) that no stage holds (an unused one).
+    Read before build_stage, and before the other stages' weights are emptied."""
 
     def storage(module: nn.Module) -> set[int]:
         tensors = [*module.parameters(), *module.buffers()]
@@ -409,8 +431,21 @@ def _rank_storage(
     parts: list[set[int]] = [set() for _ in range(size)]
     for index, rank in enumerate(ranks):
         parts[rank] |= storage(traced.get_stage_module(index))
-    parts[0] |= storage(original) - set().union(*parts)
+    parts[0] |= storage(model) - set().union(*parts)
     return [frozenset(part) for part in parts]
+
+
+def _owners(module: nn.Module, storage: list[frozenset[int]]) -> dict[str, int]:
+    """Per state dict key of `module`, the first rank whose stages own its tensor (read before
+    the other stages' weights are emptied: then only the key says whose a tensor is)."""
+    owners = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, Tensor) and tensor.numel():
+            pointer = local_pointer(tensor)
+            owner = next((k for k, part in enumerate(storage) if pointer in part), None)
+            if owner is not None:
+                owners[key] = owner
+    return owners
 
 
 def _refuse(plan: PpPlan, *args: Any, **kwargs: Any) -> Any:

@@ -32,6 +32,7 @@ from retarget.execution.module_call import own_forward
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.shard.shard_tp import fsdp_shapes
+from retarget.passes.shard.split_stages import stage_parameters
 from retarget.spec.grammar import Target, parse_target
 from retarget.spec.strategies import STRATEGY
 
@@ -159,6 +160,16 @@ def estimate_memory(
     if tp is not None:
         notes.append(f"tp[size={tp.size}]: the split modules hold 1/{tp.size} of their weights")
     trained = [p for p in params if p.requires_grad]
+    pp = program.plan.pp
+    if pp is not None:
+        # A rank holds (fsdp+pp: its shards of) its stage's weights only.
+        stage = max(stage_parameters(program, pp), key=lambda ps: sum(p.numel() for p in ps))
+        mine = {id(p) for p in stage}
+        params = [p for p in params if id(p) in mine]
+        trained = [p for p in params if p.requires_grad]
+        notes.append(
+            f"pp[size={pp.size}]: the rank of the largest stage ({len(params)} parameters)"
+        )
     profile = program.analysis.activation_profile
     if profile is None and run and program.example is not None:
         # Kept: activation sizes follow the example inputs' shapes, not the weights, so the
@@ -204,8 +215,12 @@ def _shards(target: Target, world: World) -> tuple[int, list[str]]:
         part = target.get("hsdp")
         replicate, shard = world.hsdp_mesh(part.get("replicate"), part.get("shard"))
         return shard, [f"hsdp: {replicate} replica group(s) of {shard} processes"]
-    # fsdp+tp: FSDP shards over the dp ranks, world / tp size.
-    dp = world.size // max(target.get("tp").get("size") or 1, 1) if "tp" in target else world.size
+    # fsdp+tp / fsdp+pp: FSDP shards over the dp ranks, world / (tp size x pp size).
+    split = 1
+    for name in ("tp", "pp"):
+        if name in target:
+            split *= max(target.get(name).get("size") or world.size, 1)
+    dp = world.size // split
     return (max(dp, 1) if any(STRATEGY[target.strategy].shards) else 1), []
 
 

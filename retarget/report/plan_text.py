@@ -60,11 +60,10 @@ def _pp_lines(plan: PpPlan) -> list[str]:
     lines = [f"  {plan.describe()}"]
     rows = [("stage", "blocks", "est. GFLOPs", "also")]
     for stage in plan.stages:
-        span = (
-            f"{stage.blocks[0]} .. {stage.blocks[-1]}" if len(stage.blocks) > 1 else stage.blocks[0]
-        )
+        first = stage.start if stage.start not in ("", stage.blocks[0]) else stage.blocks[0]
+        span = f"{first} .. {stage.blocks[-1]}" if first != stage.blocks[-1] else first
         also = "embeddings" if stage.index == 0 else ""
-        also = "final norm, head, loss" if stage.index == plan.size - 1 else also
+        also = "final norm, head, loss" if stage.index == len(plan.stages) - 1 else also
         rows.append(
             (str(stage.index), f"{span} ({len(stage.blocks)})", f"{stage.cost / 1e9:.3f}", also)
         )

@@ -136,6 +136,12 @@ PARTS: dict[str, PartSchema] = {
             "stages_per_rank": int_option(
                 0, "stages each rank holds; 0: 2 for interleaved-1f1b, else 1", low=0
             ),
+            "cuts": enum_option(
+                "auto",
+                "auto|blocks",
+                "where stages may begin: blocks only, or (auto) also inside blocks when whole "
+                "blocks balance worse than 1.10",
+            ),
         },
     ),
     "xla": PartSchema(

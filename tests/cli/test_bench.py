@@ -248,14 +248,17 @@ def test_cp_rows_read_the_context_parallel_suites_figures():
 def test_pp_rows_read_the_pipeline_suites_figures():
     figures = {
         "plan": {
-            "imbalance, Llama-2-7B shapes": {"8": 1.195},
-            "imbalance, measured (h512, vocab 1024)": {},
+            "imbalance, Llama-2-7B ratios, cuts=auto": {"8": 1.034},
+            "imbalance, Llama-2-7B ratios, cuts=blocks": {"8": 1.195},
+            "imbalance, measured h512, cuts=auto": {},
         },
         "time": {"step / one process": {"1f1b": 1.512}, "ideal step / one process": 0.562},
     }
     rows = bench.SUITES["pp"].rows(figures)
     group = "pipeline parallelism"
-    assert (group, "stage imbalance, 4 stages, 8 layers (Llama-2-7B shapes)", "1.20") in rows
+    assert (group, "stage imbalance, 4 stages, 8 layers (Llama-2-7B ratios)", "1.03") in rows
+    blocks_only = "stage imbalance, 4 stages, 8 layers (Llama-2-7B ratios, cuts=blocks)"
+    assert (group, blocks_only, "1.20") in rows
     assert (group, "1f1b step / one process, 2 ranks (ideal 0.562)", "1.51x") in rows
     # Since the looped schedules, the ideal is per schedule (their bubble is smaller).
     figures["time"] = {

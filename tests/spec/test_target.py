@@ -55,7 +55,7 @@ NON_DEFAULT = [
     "fsdp+tp[async_tp=true,loss_parallel=true,plan=pkg.plans:LLAMA_PLAN,sequence_parallel=true,size=4]",
     "tp[plan=hf]",
     "fsdp+cp[attention=ulysses,load_balance=false,size=2]",
-    "pp[microbatches=4,schedule=gpipe,size=2,stages_per_rank=1]",
+    "pp[cuts=blocks,microbatches=4,schedule=gpipe,size=2,stages_per_rank=1]",
     "xla[spmd=false]+bf16[autocast_eval=false,downcast=true,keep_fp32=cumsum|exp]",
     "xla[sharding=replicate]",
     "fp16[autocast_eval=false,backoff_factor=0.25,growth_factor=4.0,growth_interval=100,"

@@ -5,7 +5,9 @@ Contract: requires regions | provides shapes | after - | numerics exact | option
 FLOPs are counted, not guessed: one eager forward of the original model on the example inputs
 under torch.utils.flop_counter.FlopCounterMode (no grad; RNG and buffers restored), which
 attributes each matmul/convolution to the module that issued it. Forward hooks on the same run
-record input and output shapes. Without example inputs only parameter counts are known.
+record input and output shapes, and for each region's first repeat where each submodule's call
+begins in FLOPs (`calls`: a timeline split_stages may cut a block at). Without example inputs
+only parameter counts are known.
 
 The cost of that forward must not grow with depth (a region's graph is shared by its repeats, and
 so is its measurement): each region's first repeat runs and is counted; a later repeat called
@@ -29,13 +31,23 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program, describe_tensor
 from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
 from retarget.spec.grammar import Target
+
+
+def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any) -> int:
+    """Forward FLOPs of an attention call (torch's own count for its GPU kernels)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+#: Ops torch's FlopCounterMode has no formula for: the attention kernel
+#: scaled_dot_product_attention calls on CPU (without it, attention counted 0 FLOPs here).
+EXTRA_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
 
 #: Module types whose FLOPs and shapes are reported one by one.
 COUNTED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -98,6 +110,8 @@ def _measure(program: Program, watched: set[str]) -> tuple[dict, dict[str, int],
     records: dict[str, dict[str, Any]] = {}
     handles = []
     replay = _Replay(model, program.regions)
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    timeline = _CallTimeline(model, [r.paths[0] for r in program.regions], counter)
     for path in watched:
 
         def hook(_m, args, kwargs, output, path=path):
@@ -106,13 +120,14 @@ def _measure(program: Program, watched: set[str]) -> tuple[dict, dict[str, int],
             )
 
         handles.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
-    counter = FlopCounterMode(display=False)
     try:
-        with preserved_state(model), torch.no_grad(), counter, replay:
+        with preserved_state(model), torch.no_grad(), counter, replay, timeline:
             model(*program.example.args, **program.example.kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    for path, calls in timeline.calls.items():
+        records.setdefault(path, {})["calls"] = calls
     flops = {}
     for name, by_op in counter.get_flop_counts().items():
         if name == "Global":
@@ -121,6 +136,58 @@ def _measure(program: Program, watched: set[str]) -> tuple[dict, dict[str, int],
         flops[path] = int(sum(by_op.values()))
     replay.fill_in(records, flops)
     return records, flops, replay.stats()
+
+
+class _CallTimeline:
+    """Where in a block's forward each of its submodules' calls begins, in FLOPs: for the first
+    call of each block path given, [submodule path, FLOPs the block had done when its call
+    began] in call order, and ["", the block's total] last. A submodule called more than once
+    is left out (a point "before it" would be ambiguous). split_stages cuts stages there when
+    whole blocks balance poorly."""
+
+    def __init__(self, model: nn.Module, paths: list[str], counter: FlopCounterMode) -> None:
+        self.model, self.paths, self.counter = model, paths, counter
+        self.calls: dict[str, list[list[Any]]] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _CallTimeline:
+        for path in self.paths:
+            block = self.model.get_submodule(path)
+            state: dict[str, Any] = {"start": None, "seen": {}, "done": False}
+
+            def begin(_m, _a, state=state):
+                if state["start"] is None:
+                    state["start"] = self.counter.get_total_flops()
+
+            def end(_m, _a, _o, path=path, state=state):
+                if state["done"] or state["start"] is None:
+                    return
+                state["done"] = True
+                seen = state["seen"]
+                calls = [[name, at] for name, (at, count) in seen.items() if count == 1]
+                total = self.counter.get_total_flops() - state["start"]
+                self.calls[path] = [*calls, ["", total]]
+
+            self.handles.append(block.register_forward_pre_hook(begin))
+            self.handles.append(block.register_forward_hook(end))
+            for name, sub in block.named_modules(remove_duplicate=False):
+                if not name:
+                    continue
+
+                def mark(_m, _a, name=name, state=state):
+                    if state["start"] is None or state["done"]:
+                        return
+                    at, count = state["seen"].get(name, (0, 0))
+                    if not count:
+                        at = self.counter.get_total_flops() - state["start"]
+                    state["seen"][name] = (at, count + 1)
+
+                self.handles.append(sub.register_forward_pre_hook(mark))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class _Replay:

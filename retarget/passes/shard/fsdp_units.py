@@ -17,6 +17,7 @@ from torch import nn
 
 from retarget.ir.program import Program
 from retarget.passes.shard.shard_tp import fsdp_shapes
+from retarget.passes.shard.split_stages import stage_parameters
 
 ROOT_UNIT = ""
 
@@ -104,32 +105,17 @@ PP_UNITS = (
 
 
 def stage_units(program: Program) -> list[Unit]:
-    """Under fsdp+pp, one unit per pipeline stage: its blocks' parameters, the first stage also
-    the parameters registered before the first block (embeddings), the last those after the
-    blocks (final norm, head). A weight tied across stages is in both."""
+    """Under fsdp+pp, one unit per pipeline stage: the parameters of what it runs
+    (split_stages.stage_parameters; a weight tied across stages is in both)."""
     pp = program.plan.pp
-    owned: dict[str, int] = {}
-    for stage in pp.stages:
-        for path in stage.blocks:
-            for name, _ in program.submodule(path).named_parameters(remove_duplicate=False):
-                owned[f"{path}.{name}"] = stage.index
-    params: list[list[nn.Parameter]] = [[] for _ in pp.stages]
-    seen_block = False
-    for name, param in program.module.named_parameters(remove_duplicate=False):
-        index = owned.get(name)
-        seen_block = seen_block or index is not None
-        if index is None:
-            index = len(pp.stages) - 1 if seen_block else 0
-        if all(p is not param for p in params[index]):
-            params[index].append(param)
     return [
         Unit(
-            f"{stage.blocks[0]} .. {stage.blocks[-1]}",
+            f"{stage.start or stage.blocks[0]} .. {stage.blocks[-1]}",
             f"pipeline stage {stage.index}",
-            sum(p.numel() for p in params[stage.index]),
-            tuple(tuple(p.shape) for p in params[stage.index]),
+            sum(p.numel() for p in params),
+            tuple(tuple(p.shape) for p in params),
         )
-        for stage in pp.stages
+        for stage, params in zip(pp.stages, stage_parameters(program, pp), strict=True)
     ]
 
 

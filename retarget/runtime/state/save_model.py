@@ -86,16 +86,15 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Under FSDP the shards are gathered: every rank must call it, and only rank 0 receives
     the tensors (the others get an empty dict, so that N full copies never exist at once).
-    Under pp each stage's trained tensors are its own rank's (every rank holds the whole
-    model, the other stages' weights as they were built): rank 0 receives each rank's part
-    (under fsdp+pp gathered whole over the stage's dp ranks first).
+    Under pp each stage's tensors are its own rank's (the others are emptied there): rank 0
+    receives each rank's part (under fsdp+pp gathered whole over the stage's dp ranks first).
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)
     applied = applied_of(model)
     if applied is None or applied.pipeline is None:
-        return full
-    # torch's full state dict reaches rank 0 only: each rank reads its own part itself.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    # Under pp a rank holds its stages' tensors only (the others are emptied): each rank
+    # sends its own part, and rank 0 puts them in the model's key order.
     plain = _peel(model)
     keys = applied.pipeline.held_keys(plain)
     own = {  # fsdp+pp: a stage's shards gathered whole over its dp ranks (a collective)
@@ -108,9 +107,10 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     dist.gather_object(own, parts, dst=0)
     if parts is None:
         return {}
+    gathered: dict[str, torch.Tensor] = {}
     for part in parts:
-        full.update(part)
-    return full
+        gathered.update(part)
+    return {key: gathered[key] for key in plain.state_dict(keep_vars=True) if key in gathered}
 
 
 def dequantized(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,14 +45,27 @@ def test_without_example_inputs_only_parameters_are_known():
 def _counted(model, inputs):
     from torch.utils.flop_counter import FlopCounterMode
 
+    from retarget.passes.analysis.annotate_shapes import EXTRA_FLOP_FORMULAS
     from tests.zoo import call
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     with torch.no_grad(), counter:
         call(model, inputs)
     return {
         name.partition(".")[2]: sum(ops.values()) for name, ops in counter.get_flop_counts().items()
     }
+
+
+def test_cpu_attention_is_counted():
+    """scaled_dot_product_attention's CPU kernel, which torch's counter has no formula for."""
+    from tests.passes.shard.test_pipeline_parallel import batch, llama
+
+    compiled = retarget.compile_for(llama(2), "single", example_inputs=batch())
+    calls = dict(map(tuple, compiled.program.analysis.regions["model.layers.*"]["calls"]))
+    # v_proj (4 rows x 16 positions, 32 -> 16) is 2 x 64 x 32 x 16; then attention: 4 rows x
+    # 4 heads x 16 x 16 positions x 8 dims x 2 matmuls x 2
+    attention = calls["self_attn.o_proj"] - calls["self_attn.v_proj"] - 2 * 64 * 32 * 16
+    assert attention == 4 * 4 * 16 * 16 * 8 * 2 * 2
 
 
 def test_replayed_repeats_report_what_a_full_forward_counts():

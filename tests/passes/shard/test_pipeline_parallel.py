@@ -9,8 +9,12 @@ configs (sizes shrunk, dropout off).
   naming forward_backward and unwrap(); the loader is not divided (every stage reads the batch);
   save_state / load_state resume bit for bit (each stage saves its own part) and save_model
   writes every stage's trained tensors.
-- 4 gloo ranks, both schedules, an 8-layer Llama: the same agreement (the rotary cos/sin and
-  mask made before the blocks reach every stage through the stages in between).
+- 4 gloo ranks, both schedules, a 5-layer Llama: the same agreement (the rotary cos/sin and
+  mask made before the blocks reach every stage through the stages in between; one stage
+  begins between a block's attention and its MLP).
+- 4 gloo ranks fsdp+pp[size=2] ((pp, dp) = (2, 2)): Llama, tied Qwen2 and GPT-2 against one
+  process on the whole batch, 20 clipped steps with unwrap(), the tied model's checkpoint
+  resumed bitwise, Accelerate's rank members; each rank keeps its stage's weights only.
 - As a user runs it: one script (tests/scripts/pp_train_lm.py) on a saved default-config Llama,
   `--target single` in one process and `--target pp` under `retarget launch` on 2: the same
   losses, eval loss and saved weights.
@@ -27,7 +31,7 @@ import torch
 
 import retarget
 from retarget.core.errors import TargetNotSupportedError
-from retarget.passes.shard.split_stages import balance
+from retarget.passes.shard.split_stages import IMBALANCE_GOAL, balance, cut_units, module_stages
 from retarget.spec.errors import TargetError
 from tests import zoo
 from tests.distributed import run_ranks
@@ -112,6 +116,16 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameter storage a model keeps on this rank (DTensors: their shards)."""
+    storages = {}
+    for param in model.parameters():
+        local = getattr(param, "_local_tensor", param)
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def gradient_errors(compiled: Any, reference: torch.nn.Module) -> dict[str, float]:
     """Per parameter with a gradient on this rank: its error relative to one process's."""
     grads = dict(reference.named_parameters())
@@ -154,6 +168,7 @@ def _one_step(
                 compiled.runtime.data_parallel_size,
             ),
             "wrapped": compiled.program.plan.applied.wrapped,
+            "held_fraction": held_bytes(compiled) / held_bytes(build()),
         }
     return out
 
@@ -184,6 +199,8 @@ def test_two_ranks_equal_one_process_for_each_schedule():
             assert r["loss_error"] < 1e-5, key
             assert max(r["errors"].values()) < 1e-5, (key, r["errors"])
             assert "runtime.forward_backward(batch)" in r["refused"] and "unwrap()" in r["refused"]
+            # a rank keeps its stages' weights (about half), not the whole model's
+            assert r["held_fraction"] < 0.7, (key, r["held_fraction"])
             assert r["data_parallel"] == (0, 1)
     llama_held = set(by_rank[0]["llama 1f1b"]["errors"])
     assert "model.embed_tokens.weight" in llama_held and "lm_head.weight" not in llama_held
@@ -271,8 +288,9 @@ def _checkpoint(
     steps(resumed, resumed_optimizer, range(3, 5))
     got = everything(resumed)
     return {
+        # this rank's stages' tensors (the others are emptied here)
         "bitwise": list(got) == list(expected)
-        and all(torch.equal(got[k], expected[k]) for k in got),
+        and all(torch.equal(got[k], expected[k]) for k in held),
         "saved_equal": saved_equal,
         "held": sorted(held),
         "written": sorted(written),
@@ -302,7 +320,10 @@ def _accumulated(rank: int, world: int) -> dict[str, Any]:
             synced.append(run.sync_gradients)
             if not run.sync_gradients:
                 optimizer.step()
-                unchanged = all(torch.equal(v, before[k]) for k, v in compiled.state_dict().items())
+                held = run.applied.pipeline.held_keys(compiled)  # the other stages': emptied
+                unchanged = all(
+                    torch.equal(v, before[k]) for k, v in compiled.state_dict().items() if k in held
+                )
     grads = dict(reference.named_parameters())
     errors = {
         name: float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max())
@@ -353,18 +374,21 @@ def test_steps_accumulation_and_a_checkpoint_resume_bitwise(tmp_path):
 
 
 def _four_stages(rank: int, world: int) -> dict[str, Any]:
-    """8 layers on 4 stages: the rotary cos/sin and mask made before the blocks reach every
-    stage forwarded stage by stage (chain_skips)."""
+    """5 layers on 4 stages: the rotary cos/sin and mask made before the blocks reach every
+    stage forwarded stage by stage (chain_skips); one stage begins inside a block, between its
+    attention and its MLP (the plan's cuts=auto: whole blocks balance 1.48, that cut 1.19), so
+    a half-computed block's residual stream crosses between ranks."""
     out = {}
     for schedule in ("gpipe", "1f1b"):
         data = batch(rows=8)
-        reference = llama(8)
+        reference = llama(5)
         expected = reference(**data).loss
         expected.backward()
-        compiled = retarget.compile_for(llama(8), f"pp[schedule={schedule}]", example_inputs=data)
+        compiled = retarget.compile_for(llama(5), f"pp[schedule={schedule}]", example_inputs=data)
         loss = compiled.runtime.forward_backward(data)
         grads = dict(reference.named_parameters())
         out[schedule] = {
+            "inside_blocks": compiled.program.plan.pp.inside_blocks,
             "loss_error": abs(float(loss) - float(expected)) / abs(float(expected)),
             "errors": {
                 name: float((p.grad - grads[name].grad).abs().max() / grads[name].grad.abs().max())
@@ -378,11 +402,12 @@ def _four_stages(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_four_stages_equal_one_process():
     by_rank = run_ranks(_four_stages, 4, timeout=400)
-    names = {name for name, _ in llama(8).named_parameters()}
+    names = {name for name, _ in llama(5).named_parameters()}
     for schedule in ("gpipe", "1f1b"):
         held = [set(r[schedule]["errors"]) for r in by_rank]
         assert set().union(*held) == names and sum(map(len, held)) == len(names), schedule
         for r in by_rank:
+            assert r[schedule]["inside_blocks"]  # 5 blocks balance better cut inside one
             assert r[schedule]["loss_error"] < 1e-5, schedule
             assert max(r[schedule]["errors"].values()) < 1e-5, schedule
 
@@ -421,6 +446,7 @@ def test_fsdp_pp_on_four_ranks_equals_one_process(tmp_path):
         for r in results:
             assert r["loss_error"] < 1e-5, key
             assert max(r["errors"].values()) < 1e-5, (key, r["errors"])
+            assert r["held_fraction"] < 0.4, (key, r["held_fraction"])  # half a stage's
     for training in (r["training"] for r in by_rank):
         ours, theirs = training["ours"], training["theirs"]
         assert theirs[-1] < theirs[0]
@@ -472,12 +498,14 @@ def test_balance_is_the_exact_minimax_cut():
 
 
 def test_plan_for_four_ranks_and_inspect(capsys):
-    compiled = retarget.compile_for(llama(8), "pp", example_inputs=batch(rows=8), world_size=4)
+    compiled = retarget.compile_for(
+        llama(8), "pp[cuts=blocks]", example_inputs=batch(rows=8), world_size=4
+    )
     plan = compiled.program.plan.pp
     assert (plan.size, plan.schedule, plan.microbatches, plan.microbatch_rows) == (4, "1f1b", 8, 1)
     blocks = [len(s.blocks) for s in plan.stages]
     assert sum(blocks) == 8 and blocks[-1] <= blocks[0]  # the head weighs on the last stage
-    assert plan.split_points[0] == f"model.layers.{blocks[0]}"
+    assert plan.split_points[0] == f"model.layers.{blocks[0]}" and not plan.inside_blocks
     assert abs(plan.bubble - 3 / 11) < 1e-9
     from retarget.cli.main import main
 
@@ -497,6 +525,81 @@ def test_plan_for_four_ranks_and_inspect(capsys):
     tied = retarget.compile_for(qwen2_tied(), "pp", example_inputs=batch(), world_size=2)
     assert tied.program.plan.pp.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
     assert "model.embed_tokens.weight = lm_head.weight tied (gradients summed)" in str(tied.report)
+
+
+def test_cut_units_follow_the_call_timeline():
+    compiled = retarget.compile_for(llama(2), "single", example_inputs=batch())
+    program = compiled.program
+    blocks = ["model.layers.0", "model.layers.1"]
+    flops = program.analysis.regions["model.layers.*"]["flops_per_repeat"]
+    whole = cut_units(program, blocks, 0)
+    assert whole == [(b, b, flops) for b in blocks]
+    # Children of a block: its attention half, then from the norm before the MLP on.
+    halves = cut_units(program, blocks, 1)
+    assert [u[0] for u in halves[:2]] == [
+        "model.layers.0", "model.layers.0.post_attention_layernorm"
+    ]  # fmt: skip
+    starts = [u[0] for u in cut_units(program, blocks, None)[:7]]
+    assert starts == [
+        "model.layers.0", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+        "model.layers.0.self_attn.o_proj", "model.layers.0.post_attention_layernorm",
+        "model.layers.0.mlp.act_fn", "model.layers.0.mlp.down_proj",
+    ]  # fmt: skip
+    for depth in (0, 1, None):
+        units = cut_units(program, blocks, depth)
+        assert sum(cost for _, _, cost in units) == 2 * flops and all(c > 0 for *_, c in units)
+
+
+def test_stages_begin_inside_blocks_when_whole_blocks_balance_poorly():
+    """5 blocks on 4 stages with the head on the last: 1.48 at block boundaries, 1.19 once a
+    stage may begin between a block's attention and its MLP; what each stage runs follows
+    the cuts. 6 blocks on 2 stages balance within IMBALANCE_GOAL whole: no cut inside."""
+    example = batch(rows=8)
+    blocks_only = retarget.compile_for(
+        llama(5), "pp[cuts=blocks]", example_inputs=example, world_size=4
+    ).program.plan.pp
+    compiled = retarget.compile_for(llama(5), "pp", example_inputs=example, world_size=4)
+    plan = compiled.program.plan.pp
+    assert blocks_only.imbalance > plan.imbalance > IMBALANCE_GOAL and plan.inside_blocks
+    assert "model.layers.2.post_attention_layernorm" in plan.split_points
+    even = retarget.compile_for(llama(6), "pp", example_inputs=example, world_size=2)
+    assert even.program.plan.pp.imbalance <= IMBALANCE_GOAL
+    assert not even.program.plan.pp.inside_blocks
+    assert "cut inside blocks, at model.layers." in plan.describe()
+    assert sum(s.cost for s in plan.stages) == sum(s.cost for s in blocks_only.stages)
+    where = module_stages(compiled.program, plan)
+    for index, stage in enumerate(plan.stages[1:], start=1):
+        assert where[stage.start] == index and stage.blocks[0] in stage.start
+    # fsdp+pp's units hold what each stage runs: every parameter once (nothing tied here).
+    sharded = retarget.compile_for(
+        llama(5), "fsdp+pp[size=4]", example_inputs=example, world_size=8
+    ).program.plan.fsdp
+    assert sum(u.parameters for u in sharded.units) == sum(p.numel() for p in llama(5).parameters())
+
+
+def test_memory_estimate_is_the_largest_stages_rank():
+    """A rank holds its stage's weights (fsdp+pp: its shards of them); the estimate is the
+    largest stage's rank's."""
+    from retarget.passes.shard.split_stages import stage_parameters
+    from retarget.report.memory_estimate import estimate_memory
+
+    compiled = retarget.compile_for(
+        llama(6), "fsdp+pp[size=4]", example_inputs=batch(rows=8), world_size=8
+    )
+    program = compiled.program
+    stages = stage_parameters(program, program.plan.pp)
+    largest = max(sum(p.numel() for p in ps) for ps in stages)
+    total = sum(p.numel() for p in llama(6).parameters())
+    estimate = estimate_memory(compiled, optimizer="sgd", run=False)
+    # float32; dp = 2 shards of each (even-rowed) stage weight
+    assert estimate.gradients == 4 * largest // 2
+    assert estimate.parameters == 4 * largest // 2 and largest < total / 3
+    alone = estimate_memory(
+        retarget.compile_for(llama(6), "pp", example_inputs=batch(rows=8), world_size=4),
+        optimizer="sgd",
+        run=False,
+    )
+    assert alone.gradients == alone.parameters == 4 * largest
 
 
 @pytest.mark.parametrize(
