@@ -212,24 +212,42 @@ def two_machines(folder: Path, target: str, processes: int, backend: str, home: 
     return [(p.wait(timeout=300), p.stderr.read()) for p in launchers]
 
 
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory):
+    """The final weights of a 6-step run on one machine per (target, processes), launched once
+    for the rendezvous backends compared against it."""
+    runs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def weights(target: str, processes: int) -> dict[str, torch.Tensor]:
+        if (target, processes) not in runs:
+            folder = tmp_path_factory.mktemp("one")
+            env = {"HOME": str(folder), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+            one = subprocess.run(
+                [
+                    sys.executable, "-m", "retarget", "launch", "--num_processes",
+                    str(processes), "--target", target, str(SCRIPT), str(folder / "run"), "6",
+                    "1000", "-1",
+                ],
+                capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+            )  # fmt: skip
+            assert one.returncode == 0, one.stderr[-3000:]
+            runs[target, processes] = load_file(folder / "run" / "final.safetensors")
+        return runs[target, processes]
+
+    return weights
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("target", "processes", "backend"),
     [("ddp", 2, "static"), ("ddp", 2, "c10d"), ("hsdp[replicate=2,shard=2]", 4, "c10d")],
 )
-def test_two_machines_on_one_host_train_like_one_machine(target, processes, backend, tmp_path):
+def test_two_machines_on_one_host_train_like_one_machine(
+    target, processes, backend, one_machine, tmp_path
+):
     results = two_machines(tmp_path / "two", target, processes, backend, tmp_path)
     assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
-    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    one = subprocess.run(
-        [
-            sys.executable, "-m", "retarget", "launch", "--num_processes", str(processes),
-            "--target", target, str(SCRIPT), str(tmp_path / "one"), "6", "1000", "-1",
-        ],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
-    )  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
-    expected = load_file(tmp_path / "one" / "final.safetensors")
+    expected = one_machine(target, processes)
     got = load_file(tmp_path / "two" / "final.safetensors")
     assert expected.keys() == got.keys() and expected
     assert all(torch.equal(value, got[key]) for key, value in expected.items())
