@@ -380,6 +380,13 @@ class PpStage:
     """The rank that runs it: stage i on rank i mod size (interleaved schedules loop)."""
 
 
+def stage_imbalance(stages: tuple[PpStage, ...]) -> float:
+    """Largest stage cost over the mean stage cost (1.0: perfectly balanced)."""
+    costs = [s.cost for s in stages]
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean else 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class PpPlan:
     """Pipeline parallelism (`pp[...]`): contiguous runs of the repeated blocks, K stages per
@@ -418,9 +425,7 @@ class PpPlan:
     @property
     def imbalance(self) -> float:
         """Largest stage cost over the mean stage cost (1.0: perfectly balanced)."""
-        costs = [s.cost for s in self.stages]
-        mean = sum(costs) / len(costs)
-        return max(costs) / mean if mean else 1.0
+        return stage_imbalance(self.stages)
 
     def describe(self) -> str:
         return (

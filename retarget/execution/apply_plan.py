@@ -251,11 +251,7 @@ def _apply_pp(program: Program, state: ProcessState) -> Applied:
         mesh = init_device_mesh(
             state.device.type, (pp.size, state.world_size // pp.size), mesh_dim_names=("pp", "dp")
         )
-        shard = {
-            "mesh": mesh["dp"],
-            "reshard_after_forward": fsdp.reshard_after_forward,
-            "mp_policy": mixed_precision_policy(fsdp),
-        }
+        shard = fully_shard_arguments(fsdp, mesh["dp"])
     run = apply_pipeline(program.module, program.original, pp, ids, state, mesh, shard)
     return Applied("pp", state, pipeline=run, mesh=mesh)
 
@@ -331,13 +327,8 @@ def _apply_fsdp(
             full = collect_full(program.module)
         elif plan.sync_module_states:
             broadcast_module_states(program.module)
-    kwargs = {
-        "mesh": mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh,
-        "shard_placement_fn": placement,
-        "reshard_after_forward": plan.reshard_after_forward,
-        "mp_policy": mixed_precision_policy(plan),
-        "offload_policy": offload_policy(plan),
-    }
+    shard_over = mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+    kwargs = fully_shard_arguments(plan, shard_over, placement)
     applied = Applied("fsdp", state, mesh=mesh)
     for unit in plan.units:
         module = program.submodule(unit.path) if unit.path else program.module
@@ -353,6 +344,19 @@ def _apply_fsdp(
         program.module.register_state_dict_post_hook(_full_state_dict)
         program.module.register_load_state_dict_pre_hook(_shard_loaded_state)
     return applied
+
+
+def fully_shard_arguments(
+    plan: FsdpPlan, mesh: Any, placement: Callable[[nn.Parameter], Any] | None = None
+) -> dict[str, Any]:
+    """fully_shard's keyword arguments for the plan's units, sharding over `mesh`."""
+    return {
+        "mesh": mesh,
+        "shard_placement_fn": placement,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(plan),
+        "offload_policy": offload_policy(plan),
+    }
 
 
 def mixed_precision_policy(plan: FsdpPlan) -> Any:

@@ -93,6 +93,7 @@ class PipelineRun:
         tied: list[TiedWeight],
         owners: dict[str, int],
         device: torch.device,
+        frozen: list[nn.Parameter],
     ):
         self.plan = plan
         self.schedule = schedule
@@ -107,7 +108,7 @@ class PipelineRun:
         self.owners = owners
         self.device = device
         #: The other stages' parameters, emptied here and not requiring grad until unwrap().
-        self.frozen: list[nn.Parameter] = []
+        self.frozen = frozen
 
     @property
     def held(self) -> frozenset[int]:
@@ -128,7 +129,8 @@ class PipelineRun:
             if tied.param.grad is None:
                 tied.param.grad = torch.zeros_like(tied.param)
             grad = tied.param.grad  # under fsdp+pp a DTensor: the same shard on every holder
-            dist.all_reduce(getattr(grad, "_local_tensor", grad), group=tied.group)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=tied.group)
 
     def held_keys(self, module: nn.Module) -> set[str]:
         """The keys of `module`'s state dict whose tensors this rank's stage owns."""
@@ -282,10 +284,9 @@ def apply_pipeline(
     mine = [stage.index for stage in plan.stages_of(rank)]
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
-        # Also in the stage modules of the other ranks (never run here): every rank then
-        # finds each of its tensors in the same stages (`storage`).
-        # The user's model keeps its own Parameter objects (emptied below, refilled by
-        # unwrap), as under fsdp alone.
+        # In the compiled model, and in the other ranks' stage modules too (never run here,
+        # but then every rank finds each tensor in the same stages: `storage`). The user's
+        # model keeps its own Parameters (emptied below, refilled by unwrap), as under fsdp.
         for tree in (module, traced.split_gm):
             swap_parameters(tree, replaced)
         tied = [dataclasses.replace(t, param=replaced.get(id(t.param), t.param)) for t in tied]
@@ -293,10 +294,9 @@ def apply_pipeline(
     owners = _owners(module, storage)
     stages = [traced.build_stage(index, state.device, group) for index in mine]
     # Only this rank's stages' weights stay: the others' are emptied (in both models: they
-    # share them), so a rank holds its stages, not the whole model.
-    # They stop requiring grad while emptied (no optimizer may write into one: torch's DCP
-    # fills a fresh optimizer's state with a step over every parameter that requires grad);
-    # unwrap() gives both back.
+    # share them) and stop requiring grad meanwhile (torch's DCP fills a fresh optimizer's
+    # state with a step over every parameter that requires grad, which would write into
+    # them); unwrap() gives both back.
     release_replaced(original, module)
     frozen = []
     for param in {id(p): p for p in module.parameters()}.values():
@@ -318,9 +318,7 @@ def apply_pipeline(
     driven = stages if plan.stages_per_rank > 1 else stages[0]
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device)
-    run.frozen = frozen
-    return run
+    return PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
 
 
 def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
@@ -383,8 +381,7 @@ def swap_parameters(module: nn.Module, replaced: dict[int, nn.Parameter]) -> Non
 
 def local_pointer(tensor: Tensor) -> int:
     """Where a tensor's elements on this rank live: its own storage, or a DTensor's shard's."""
-    local = getattr(tensor, "_local_tensor", None)
-    return (tensor if local is None else local).data_ptr()
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).data_ptr()
 
 
 def _tied_weights(

@@ -101,18 +101,17 @@ class ParityMembers:
             fields = ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size", "tp_size")
             replicate, shard, cp, sp, tp = (getattr(config, f, 1) or 1 for f in fields)
             return replicate, shard, max(cp, sp), tp
-        sizes = {}
-        for part_name in ("tp", "cp", "pp"):
-            part = self.target.get(part_name)
-            if part is not None:
-                sizes[part_name] = int(dict(part.options).get("size", 0)) or self.num_processes
+        sizes = {
+            n: self._part_size(n) for n in ("tp", "cp", "pp") if self.target.get(n) is not None
+        }
         if not sizes:
             raise RuntimeError(f"{name}: no parallelism is configured (parallelism_config, tp, cp)")
         tp, cp, pp = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("pp", 1)
         return 1, self.num_processes // (tp * cp * pp), cp, tp
 
-    def _pipeline_size(self) -> int:
-        part = self.target.get("pp")
+    def _part_size(self, name: str) -> int:
+        """The size the target's part `name` gives (0 or unset: every process; absent: 1)."""
+        part = self.target.get(name)
         if part is None:
             return 1
         return int(dict(part.options).get("size", 0)) or self.num_processes
@@ -121,7 +120,7 @@ class ParityMembers:
         """This process's coordinate on dim `dim` of (replicate, shard, cp, tp), tp innermost
         (under fsdp+pp within its stage's ranks: pp is the outermost dim)."""
         sizes = self._mesh_sizes(name)
-        rank, coords = self.process_index % (self.num_processes // self._pipeline_size()), []
+        rank, coords = self.process_index % (self.num_processes // self._part_size("pp")), []
         for size in reversed(sizes):
             coords.append(rank % size)
             rank //= size
@@ -140,7 +139,7 @@ class ParityMembers:
             raise RuntimeError(
                 "pipeline_parallel_rank: the target has no pipeline parallelism (pp[size=N])"
             )
-        return self.process_index // (self.num_processes // self._pipeline_size())
+        return self.process_index // (self.num_processes // self._part_size("pp"))
 
     @contextlib.contextmanager
     def maybe_context_parallel(

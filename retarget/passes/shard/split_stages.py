@@ -45,7 +45,7 @@ from typing import Any
 from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
-from retarget.core.plans import PpPlan, PpStage
+from retarget.core.plans import PpPlan, PpStage, stage_imbalance
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.spec.grammar import PARTS, Target
@@ -116,7 +116,7 @@ class SplitStages(Pass):
         options, world = self.options, program.world.size
         size = options.size or world
         where = f"pp[size={size}]"
-        sharded = program.plan.fsdp is not None or any(n in program.target for n in FSDP_STRATEGIES)
+        sharded = any(n in program.target for n in FSDP_STRATEGIES)
         if size < 2 or world % size or (size != world and not sharded):
             beside = (
                 f"a divisor of the {program.world.describe()} (fsdp shards each stage over the "
@@ -172,8 +172,7 @@ class SplitStages(Pass):
                 f"rank): microbatches={microbatches} makes {rounds} rounds that do not divide "
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
-        tail = max((program.analysis.flops or 0) - sum(_flops(program, b) for b in blocks), 0)
-        stages, inside = _best_stages(program, blocks, tail, count, size, options.cuts)
+        stages, inside = _best_stages(program, blocks, count, size, options.cuts)
         plan = program.plan.pp = PpPlan(
             size=size,
             schedule=options.schedule,
@@ -224,11 +223,12 @@ def cut_units(program: Program, blocks: list[str], depth: int | None) -> list[tu
 
 
 def _best_stages(
-    program: Program, blocks: list[str], tail: int, count: int, size: int, cuts: str
+    program: Program, blocks: list[str], count: int, size: int, cuts: str
 ) -> tuple[tuple[PpStage, ...], bool]:
     """Stages at block boundaries; with cuts=auto, also where a block's children begin when the
     imbalance exceeds IMBALANCE_GOAL and that lowers it; whether a stage begins inside a
-    block."""
+    block. The glue after the blocks (the model's FLOPs less theirs) weighs on the last."""
+    tail = max((program.analysis.flops or 0) - sum(_flops(program, b) for b in blocks), 0)
     best: tuple[float, tuple[PpStage, ...], bool] | None = None
     for depth in DEPTHS if cuts == "auto" else (0,):
         units = cut_units(program, blocks, depth)
@@ -245,8 +245,7 @@ def _best_stages(
             )
             for i, (a, b) in enumerate(balance(costs, tail, count))
         )
-        totals = [s.cost for s in stages]
-        imbalance = max(totals) * len(totals) / max(sum(totals), 1)
+        imbalance = stage_imbalance(stages)
         if best is None or imbalance < best[0]:
             best = (imbalance, stages, depth != 0)
         if best[0] <= IMBALANCE_GOAL:
@@ -266,8 +265,7 @@ def stage_starts(program: Program, count: int, cuts: str = "auto") -> list[str]:
             f"{where}: the model has {len(blocks)} repeated blocks ({blocks[0]} ...), fewer "
             f"than the {count} stages"
         )
-    tail = max((program.analysis.flops or 0) - sum(_flops(program, b) for b in blocks), 0)
-    stages, _ = _best_stages(program, blocks, tail, count, count, cuts)
+    stages, _ = _best_stages(program, blocks, count, count, cuts)
     return [stage.start for stage in stages[1:]]
 
 

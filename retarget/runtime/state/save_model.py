@@ -97,9 +97,10 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     # sends its own part, and rank 0 puts them in the model's key order.
     plain = _peel(model)
     keys = applied.pipeline.held_keys(plain)
+    tensors = plain.state_dict(keep_vars=True)
     own = {  # fsdp+pp: a stage's shards gathered whole over its dp ranks (a collective)
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for k, v in plain.state_dict().items()
+        for k, v in tensors.items()
         if k in keys
     }
     state = ProcessState.current()
@@ -110,7 +111,7 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered: dict[str, torch.Tensor] = {}
     for part in parts:
         gathered.update(part)
-    return {key: gathered[key] for key in plain.state_dict(keep_vars=True) if key in gathered}
+    return {key: gathered[key] for key in tensors if key in gathered}
 
 
 def dequantized(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -120,7 +120,7 @@ def held_bytes(model: torch.nn.Module) -> int:
     """Bytes of parameter storage a model keeps on this rank (DTensors: their shards)."""
     storages = {}
     for param in model.parameters():
-        local = getattr(param, "_local_tensor", param)
+        local = param.to_local() if hasattr(param, "to_local") else param
         storage = local.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
