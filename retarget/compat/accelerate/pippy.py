@@ -12,9 +12,9 @@ as in Accelerate: `pipeline()` exports the model on one microbatch and splits it
 microbatches; values a stage would send past the next one are forwarded stage by stage
 (execution/pipeline_stages.chain_skips).
 
-A transformers model's `config.use_cache` is turned off (its KV cache object cannot travel
-between stages; Accelerate's export fails on it). The model is returned with its `forward`
-replaced (as Accelerate does): every process calls it
+A transformers model's `config.use_cache` is turned off, with a warning (its KV cache object
+cannot travel between stages; Accelerate's export fails on it). The model is returned with its
+`forward` replaced (as Accelerate does): every process calls it
 with the same inputs; the last process gets the output (the others None), or every process
 with `gather_output=True`. Differences from Accelerate, each an error naming the value rather
 than a silent change: the example is the batch a call passes (every call passes that many
@@ -24,6 +24,7 @@ a split point that is no module of the model; more or fewer split points than pr
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -70,6 +71,11 @@ def prepare_pippy(
     if getattr(config, "use_cache", False) and "use_cache" not in kwargs:
         # transformers' KV cache is no tensor torch's export can return through the stages
         config.use_cache = False
+        warnings.warn(
+            f"prepare_pippy: {type(model).__name__}.config.use_cache set to False: a KV cache "
+            "cannot be returned through pipeline stages (calls return no past_key_values)",
+            stacklevel=2,
+        )
 
     def first_rows(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:

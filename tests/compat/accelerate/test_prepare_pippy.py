@@ -12,6 +12,7 @@ pipeline-parallel inference, 2 gloo ranks against one process's forward.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -60,9 +61,12 @@ def _inference(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         example = ids()
         expected = gpt2()(example).logits
-        model = prepare_pippy(gpt2(), example_args=(example,), num_chunks=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = prepare_pippy(gpt2(), example_args=(example,), num_chunks=2)
         got = model(ids())
         out["gpt2"] = {
+            "warned": any("use_cache set to False" in str(w.message) for w in caught),
             "points": model.hf_split_points,
             "error": None if got is None else float((_first(got) - expected).abs().max()),
         }
@@ -90,6 +94,7 @@ def test_two_ranks_give_one_process_outputs():
     assert first["gpt2"]["points"] == last["gpt2"]["points"]
     (point,) = first["gpt2"]["points"]
     assert point.startswith("transformer.h.")  # the planner cut at (or inside) a block
+    assert first["gpt2"]["warned"] and last["gpt2"]["warned"]  # its cache was turned off
     assert first["gpt2"]["error"] is None  # Accelerate: the output is the last process's
     assert last["gpt2"]["error"] < 1e-5
     for rank in (first, last):  # gather_output: every process has it
