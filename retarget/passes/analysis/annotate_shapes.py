@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program, describe_tensor
@@ -41,8 +41,15 @@ from retarget.spec.grammar import Target
 
 
 def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any) -> int:
-    """Forward FLOPs of an attention call (torch's own count for its GPU kernels)."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    """Forward FLOPs of an attention call: the two batched matmuls, Q @ K^T and P @ V.
+
+    The query's head count is the one that computes: under grouped-query attention the key and
+    value carry fewer heads, each shared by several query heads (torch's own formula, before 2.10,
+    asserts equal head counts, so it is not used here).
+    """
+    batch, heads, query_len, query_dim = query_shape
+    key_len, value_dim = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * query_len * key_len * (query_dim + value_dim)
 
 
 #: Ops torch's FlopCounterMode has no formula for: the attention kernel
