@@ -409,6 +409,11 @@ class PpPlan:
     """fsdp+pp: the ranks each stage runs on, FSDP2 sharding it (the mesh is (pp, dp))."""
     inside_blocks: bool = False
     """Whether some stage begins inside a block (cuts=auto, whole blocks balancing poorly)."""
+    autocast: str | None = None
+    """pp+bf16: the dtype each stage's forward runs under torch.autocast in ("bfloat16")."""
+    checkpoint_every: int = 0
+    """pp+ac: every n-th repeated block (the n-th, 2n-th, ...) is recomputed in backward;
+    0: none."""
 
     @property
     def bubble(self) -> float:
@@ -444,6 +449,14 @@ class PpPlan:
             + (
                 f"; cut inside blocks, at {', '.join(self.split_points)}"
                 if self.inside_blocks
+                else ""
+            )
+            + (f"; each stage under torch.autocast({self.autocast})" if self.autocast else "")
+            + (
+                "; every block recomputed in backward"
+                if self.checkpoint_every == 1
+                else f"; every {self.checkpoint_every}th block recomputed in backward"
+                if self.checkpoint_every
                 else ""
             )
         )

@@ -9,7 +9,8 @@ whose parameters are the model's own Parameter objects (the compiled model share
 optimizer built on `compiled.parameters()` steps this rank's weights and skips the others
 (they get no gradient here). The schedule (GPipe, 1F1B or interleaved 1F1B) cuts each batch
 into the planned microbatches, runs forward and backward, computes transformers' loss from the
-last stage's logits and averages the microbatches' gradients.
+last stage's logits and averages the microbatches' gradients. Under pp+bf16 and pp+ac each of
+this rank's stages runs under autocast and recomputes its blocks (stage_forward.py).
 
 torch 2.13's stages treat every floating-point value a stage sends as an activation that needs
 a gradient, and refuse one read by two later stages ("backward of skip connections not
@@ -58,6 +59,7 @@ from torch import Tensor, nn
 from retarget.core.modules import release, release_replaced, released
 from retarget.core.plans import PpPlan
 from retarget.core.slots import OUTER_FORWARD
+from retarget.execution.stage_forward import run_stage_forward
 
 
 class _Logits(nn.Module):
@@ -282,6 +284,8 @@ def apply_pipeline(
     used = use_original_parameters(traced, original, len(ranks))
     tied = _tied_weights(used, ranks, mesh)
     mine = [stage.index for stage in plan.stages_of(rank)]
+    for index in mine:  # bf16 / ac inside the stage (stage_forward.py)
+        run_stage_forward(traced.get_stage_module(index), plan, state.device.type)
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
         # In the compiled model, and in the other ranks' stage modules too (never run here,

@@ -2,7 +2,7 @@
 inference of a model over the launched processes, one stage per process.
 
 Accelerate cuts where its big-model device map would put the next GPU (memory, not work);
-here `split_points="auto"` asks the compiler's pp planner (passes/shard/split_stages.py
+here `split_points="auto"` asks the compiler's pp planner (passes/shard/stage_cuts.py
 `stage_starts`): the repeated blocks find_blocks found, balanced by the FLOPs annotate_shapes
 counts on the example (planned in this process, `compile_for(model, "single")`), stages
 beginning inside a block only when whole blocks balance poorly and no_split_module_classes
@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from retarget.driver.compile import compile_for
 from retarget.execution.pipeline_stages import chain_skips
 from retarget.execution.process import ProcessState
-from retarget.passes.shard.split_stages import stage_starts
+from retarget.passes.shard.stage_cuts import stage_starts
 
 
 def prepare_pippy(

@@ -98,9 +98,10 @@ class CheckpointBlocks(Pass):
 
     @classmethod
     def stage(cls, target: Target, capture: Any) -> list[Pass]:
-        """The pass for the target's `ac` part; [] without one."""
+        """The pass for the target's `ac` part; [] without one, and under pp, whose stages
+        (not the region graphs) run: split_stages realises ac there."""
         part = target.get("ac")
-        if part is None:
+        if part is None or "pp" in target:
             return []
         keys = ("policy", "every", "budget")
         return [cls(CheckpointOptions(**{key: part.get(key) for key in keys}))]

@@ -126,10 +126,11 @@ class InsertAutocast(Pass):
         """The pass for the target's bf16 or fp16 part; [] when it has neither.
 
         `bf16[downcast=true]` is XLA's XLA_DOWNCAST_BF16, which the target only admits beside
-        xla: the xla stage realises it, not this pass.
+        xla: the xla stage realises it, not this pass. Under pp the stages run, not the region
+        graphs: split_stages realises bf16 there (each stage under torch.autocast).
         """
         name = next((n for n in LOW_DTYPES if n in target), None)
-        if name is None:
+        if name is None or "pp" in target:  # under pp split_stages runs each stage in bf16
             return []
         part = target.get(name)
         keys = ("keep_fp32", "autocast_eval", *(SCALER_OPTIONS if name == "fp16" else ()))

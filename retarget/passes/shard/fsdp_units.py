@@ -17,7 +17,7 @@ from torch import nn
 
 from retarget.ir.program import Program
 from retarget.passes.shard.shard_tp import fsdp_shapes
-from retarget.passes.shard.split_stages import stage_parameters
+from retarget.passes.shard.stage_cuts import stage_parameters
 
 ROOT_UNIT = ""
 
@@ -106,7 +106,7 @@ PP_UNITS = (
 
 def stage_units(program: Program) -> list[Unit]:
     """Under fsdp+pp, one unit per pipeline stage: the parameters of what it runs
-    (split_stages.stage_parameters; a weight tied across stages is in both)."""
+    (stage_cuts.stage_parameters; a weight tied across stages is in both)."""
     pp = program.plan.pp
     return [
         Unit(

@@ -32,7 +32,9 @@ rank 0's values after sharding (execution/rank0_loading.py), so no rank but 0 ev
 whole model. Not under tp, and not with sync_module_states=false (rank 0's values are the point).
 
 Mixed precision: with bf16/fp16 in the target the MixedPrecisionPolicy gathers parameters in that
-dtype (`param_dtype`) and reduce-scatters gradients in float32 (`reduce_dtype`). Under FSDP the
+dtype (`param_dtype`) and reduce-scatters gradients in float32 (`reduce_dtype`); not under pp,
+whose stage graphs were traced in float32 and assert their dtypes (fsdp+pp+bf16 gathers float32
+parameters and computes under autocast, split_stages). Under FSDP the
 gradient communication dtype is this reduce dtype; DDP comm hooks (fp16-comm, bf16-comm,
 powersgd) do not apply and the target refuses them.
 
@@ -121,6 +123,10 @@ class FsdpOptions:
         values = part.as_dict()
         _refuse_unsupported(part, "tp" in target, "pp" in target)
         precision = next((n for n in LOW_DTYPES if n in target), None)
+        if "pp" in target:
+            # A stage's graph was traced in float32 and asserts its dtypes: its parameters are
+            # gathered as they are and autocast computes in bf16 (split_stages).
+            precision = None
         kwargs: dict[str, Any] = {
             "strategy": part.name,
             "reshard_after_forward": values.get("reshard", part.name != "zero2"),

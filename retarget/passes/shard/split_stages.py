@@ -27,6 +27,16 @@ Beside fsdp (fsdp+pp[size=N]) the world is a (pp, dp) mesh, pp outermost as torc
 it out: N stages, each run by world / N ranks that FSDP2 shards it over, each of those reading
 its own batches (the loader divides over dp).
 
+Beside bf16 and ac the stages are what runs, not the region graphs (torch's split exports the
+model anew), so this pass decides those parts under pp instead of insert_autocast and
+checkpoint_blocks (which stand aside): each of a rank's stages runs its forward under
+torch.autocast(bfloat16) (its float outputs cast back to the dtypes traced, the float32 its
+neighbour's receive buffers hold), and each repeated block in a stage (the n-th, 2n-th, ...
+with ac[every=n]) is recomputed in backward by torch's non-reentrant checkpoint
+(`plan.pp.autocast`, `plan.pp.checkpoint_every`; execution/stage_forward.py). What those
+passes offer on the graphs only is refused by name: bf16[keep_fp32=...] other than the
+default (torch.autocast's own op lists decide), ac[policy=selective|budget].
+
 Refused before anything runs, naming the value: a degree that is not the world (pp alone) or
 does not divide it (fsdp+pp), fewer blocks than stages, no repeated blocks, a microbatch count
 that does not divide the example's rows, stages_per_rank=1 with a looped schedule and K > 1
@@ -42,12 +52,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
 from retarget.core.errors import TargetNotSupportedError
-from retarget.core.plans import PpPlan, PpStage, stage_imbalance
+from retarget.core.plans import PpPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
+from retarget.passes.shard.stage_cuts import best_stages, repeated_blocks
 from retarget.spec.grammar import PARTS, Target
 from retarget.spec.strategies import FSDP_STRATEGIES
 
@@ -69,34 +78,6 @@ class SplitStagesOptions:
 
     def __post_init__(self) -> None:
         coerce_options(self, _SCHEMA, "pp")
-
-
-def balance(costs: list[int], tail: int, stages: int) -> list[tuple[int, int]]:
-    """Cut `costs` (one per block, in order) into `stages` contiguous runs, `tail` added to the
-    last, minimising the largest run's cost; the runs as (start, end) index pairs."""
-    n = len(costs)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    inf = float("inf")
-    # best[s][i]: the smallest largest cost cutting blocks[:i] into s runs; cut[s][i]: where
-    # the last of those runs starts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for i in range(s, n + 1):
-            extra = tail if (s == stages and i == n) else 0
-            for j in range(s - 1, i):
-                worst = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
-                if worst < best[s][i]:
-                    best[s][i], cut[s][i] = worst, j
-    runs, end = [], n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        runs.append((start, end))
-        end = start
-    return runs[::-1]
 
 
 class SplitStages(Pass):
@@ -130,7 +111,7 @@ class SplitStages(Pass):
             )
         per_rank = _stages_per_rank(options, where)
         count = size * per_rank
-        blocks = _blocks(program, where)
+        blocks = repeated_blocks(program, where)
         if len(blocks) < count:
             fewer = (
                 f"pp[size={len(blocks)}] or fewer"
@@ -172,7 +153,8 @@ class SplitStages(Pass):
                 f"rank): microbatches={microbatches} makes {rounds} rounds that do not divide "
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
-        stages, inside = _best_stages(program, blocks, count, size, options.cuts)
+        autocast, checkpoint_every = _inside_stages(program.target)
+        stages, inside = best_stages(program, blocks, count, size, options.cuts)
         plan = program.plan.pp = PpPlan(
             size=size,
             schedule=options.schedule,
@@ -184,135 +166,37 @@ class SplitStages(Pass):
             tied=tied,
             dp=world // size,
             inside_blocks=inside,
+            autocast=autocast,
+            checkpoint_every=checkpoint_every,
         )
         stats = {"stages": count, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
 
 
-#: The imbalance (max / mean stage FLOPs) accepted before stages are cut inside blocks: at
-#: block boundaries a head that weighs half a block (Llama-2-7B's) leaves 1.20 for 8 blocks on
-#: 4 stages and 1.13 for 12, which a cut between a block's attention and its MLP brings to 1.14
-#: and 1.09.
-IMBALANCE_GOAL = 1.10
-#: How deep inside a block a stage may begin: at blocks, or where one of its children begins
-#: (between attention and MLP). Deeper points (inside an attention) hand the next stage values
-#: laid out as the graph left them (a transposed query), which torch's stages receive into
-#: buffers of the same strides and gloo refuses: not offered (cut_units can list them).
-DEPTHS = (0, 1)
-
-
-def cut_units(program: Program, blocks: list[str], depth: int | None) -> list[tuple[str, str, int]]:
-    """The model's blocks as units stages are made of, in call order: (module a unit begins
-    at, its block, its FLOPs). depth 0: whole blocks; deeper: each block cut where a
-    submodule's call begins (at most `depth` levels down, None: any), at each point where the
-    FLOPs done so far grow (annotate_shapes' call timeline; the earliest call at a point: the
-    fewest values cross it)."""
-    units = []
-    for block in blocks:
-        total = _flops(program, block)
-        calls = _calls(program, block) if depth != 0 else []
-        starts, last = [(block, 0)], 0
-        for name, at in calls:
-            deep = name.count(".") + 1
-            if name and last < at < total and (depth is None or deep <= depth):
-                starts.append((f"{block}.{name}", at))
-                last = at
-        ends = [at for _, at in starts[1:]] + [total]
-        units += [(start, block, end - at) for (start, at), end in zip(starts, ends, strict=True)]
-    return units
-
-
-def _best_stages(
-    program: Program, blocks: list[str], count: int, size: int, cuts: str
-) -> tuple[tuple[PpStage, ...], bool]:
-    """Stages at block boundaries; with cuts=auto, also where a block's children begin when the
-    imbalance exceeds IMBALANCE_GOAL and that lowers it; whether a stage begins inside a
-    block. The glue after the blocks (the model's FLOPs less theirs) weighs on the last."""
-    tail = max((program.analysis.flops or 0) - sum(_flops(program, b) for b in blocks), 0)
-    best: tuple[float, tuple[PpStage, ...], bool] | None = None
-    for depth in DEPTHS if cuts == "auto" else (0,):
-        units = cut_units(program, blocks, depth)
-        if len(units) < count:
-            continue
-        costs = [cost for _, _, cost in units]
-        stages = tuple(
-            PpStage(
-                index=i,
-                start="" if i == 0 else units[a][0],
-                blocks=tuple(dict.fromkeys(block for _, block, _ in units[a:b])),
-                cost=sum(costs[a:b]) + (tail if i == count - 1 else 0),
-                rank=i % size,
+def _inside_stages(target: Target) -> tuple[str | None, int]:
+    """What the stages run under: the autocast dtype (bf16) and which blocks are recomputed
+    (ac's every; 0 without ac). Refused: the options only the graph passes implement."""
+    autocast, every = None, 0
+    bf16 = target.get("bf16")
+    if bf16 is not None:
+        default = PARTS["bf16"].options["keep_fp32"].default
+        if sorted(bf16.get("keep_fp32")) != sorted(default):
+            raise TargetNotSupportedError(
+                f"'{bf16}' with pp: each stage runs under torch.autocast, whose own op lists "
+                "decide what stays in float32 there; keep_fp32 applies to the region graphs, "
+                "which pp's stages do not run: drop bf16[keep_fp32=...]"
             )
-            for i, (a, b) in enumerate(balance(costs, tail, count))
-        )
-        imbalance = stage_imbalance(stages)
-        if best is None or imbalance < best[0]:
-            best = (imbalance, stages, depth != 0)
-        if best[0] <= IMBALANCE_GOAL:
-            break
-    assert best is not None  # depth 0 has a unit per block, and blocks >= count
-    return best[1], best[2]
-
-
-def stage_starts(program: Program, count: int, cuts: str = "auto") -> list[str]:
-    """Where `count` stages of the program's model begin, balanced as the pass balances them
-    (its planner, for callers that pipeline a model themselves: prepare_pippy); the first
-    stage begins at the model's start and is not listed."""
-    where = f"{count} pipeline stages"
-    blocks = _blocks(program, where)
-    if len(blocks) < count:
-        raise TargetNotSupportedError(
-            f"{where}: the model has {len(blocks)} repeated blocks ({blocks[0]} ...), fewer "
-            f"than the {count} stages"
-        )
-    stages, _ = _best_stages(program, blocks, count, count, cuts)
-    return [stage.start for stage in stages[1:]]
-
-
-def module_stages(program: Program, plan: PpPlan) -> dict[str, int]:
-    """The stage each module inside the cut blocks runs in: its block's, or under cuts inside
-    blocks the stage whose span holds the start of its call."""
-    starts = {stage.start: stage.index for stage in plan.stages[1:]}
-    where: dict[str, int] = {}
-    stage = 0
-    for block in dict.fromkeys(b for s in plan.stages for b in s.blocks):
-        stage = starts.get(block, stage)
-        called = {name: at for name, at in _calls(program, block) if name}
-        for name, _ in program.submodule(block).named_modules():
-            if name and name not in called:
-                where[f"{block}.{name}"] = stage
-        where[block] = stage
-        for name in called:
-            stage = starts.get(f"{block}.{name}", stage)
-            where[f"{block}.{name}"] = stage
-    return where
-
-
-def stage_parameters(program: Program, plan: PpPlan) -> list[list[nn.Parameter]]:
-    """Per stage, the parameters of the modules it runs (a block cut inside is shared between
-    two stages, module by module); the first stage also those registered before the first
-    block (embeddings), the last those after the blocks (final norm, head). A weight tied
-    across stages is in each."""
-    inside = module_stages(program, plan)
-    params: list[list[nn.Parameter]] = [[] for _ in plan.stages]
-    seen_block = False
-    for name, param in program.module.named_parameters(remove_duplicate=False):
-        index = inside.get(name.rpartition(".")[0])
-        seen_block = seen_block or index is not None
-        if index is None:
-            index = len(plan.stages) - 1 if seen_block else 0
-        if all(p is not param for p in params[index]):
-            params[index].append(param)
-    return params
-
-
-def _calls(program: Program, block: str) -> list[tuple[str, int]]:
-    """annotate_shapes' call timeline of the block's region (its first repeat's)."""
-    for region in program.regions:
-        if block in region.paths:
-            entry = (program.analysis.regions or {}).get(region.name, {})
-            return [(name, int(at)) for name, at in entry.get("calls") or ()]
-    return []
+        autocast = "bfloat16"
+    ac = target.get("ac")
+    if ac is not None:
+        if ac.get("policy") != "full":
+            raise TargetNotSupportedError(
+                f"'{ac}' with pp: a stage recomputes whole blocks (ac[policy=full], with "
+                "every=N); the selective and budget policies rewrite the region graphs, which "
+                "pp's stages do not run: use ac or ac[every=N]"
+            )
+        every = ac.get("every")
+    return autocast, every
 
 
 def _stages_per_rank(options: SplitStagesOptions, where: str) -> int:
@@ -332,25 +216,6 @@ def _stages_per_rank(options: SplitStagesOptions, where: str) -> int:
             f"{where}: stages_per_rank={asked} needs a looped schedule; schedule={schedule} "
             "runs one stage per rank: use schedule=interleaved-1f1b"
         )
-    return 1
-
-
-def _blocks(program: Program, where: str) -> list[str]:
-    """The paths of the model's main repeated blocks (the largest group), in call order."""
-    groups = sorted(program.blocks, key=lambda g: len(g.paths), reverse=True)
-    if not groups or len(groups[0].paths) < 2:
-        raise TargetNotSupportedError(
-            f"{where}: {type(program.module).__name__} has no repeated blocks to cut into "
-            "stages (find_blocks found none)"
-        )
-    return list(groups[0].paths)
-
-
-def _flops(program: Program, path: str) -> int:
-    for region in program.regions:
-        if path in region.paths:
-            entry = (program.analysis.regions or {}).get(region.name, {})
-            return int(entry.get("flops_per_repeat") or 1)
     return 1
 
 
