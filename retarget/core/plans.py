@@ -414,6 +414,8 @@ class PpPlan:
     checkpoint_every: int = 0
     """pp+ac: every n-th repeated block (the n-th, 2n-th, ...) is recomputed in backward;
     0: none."""
+    compile: dict[str, Any] | None = None
+    """pp+compile: torch.compile's keyword arguments for each repeated block of a stage."""
 
     @property
     def bubble(self) -> float:
@@ -457,6 +459,11 @@ class PpPlan:
                 if self.checkpoint_every == 1
                 else f"; every {self.checkpoint_every}th block recomputed in backward"
                 if self.checkpoint_every
+                else ""
+            )
+            + (
+                f"; each block compiled (torch.compile backend={self.compile['backend']})"
+                if self.compile
                 else ""
             )
         )

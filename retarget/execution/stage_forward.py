@@ -1,8 +1,9 @@
-"""What a pipeline stage runs its graph under: autocast (pp+bf16) and recomputed blocks (pp+ac).
+"""What a pipeline stage runs its graph under: autocast (pp+bf16), recomputed blocks (pp+ac) and
+compiled blocks (pp+compile).
 
-split_stages decides both under pp (`plan.pp.autocast`, `plan.pp.checkpoint_every`), because
+split_stages decides them under pp (`plan.pp.autocast`, `checkpoint_every`, `compile`), because
 the stages torch.distributed.pipelining splits from the exported model are what runs, not the
-region graphs insert_autocast and checkpoint_blocks rewrite. apply_pipeline calls
+region graphs insert_autocast, checkpoint_blocks and compile_regions rewrite. apply_pipeline calls
 `run_stage_forward` on each of this rank's stage modules before torch's stage and schedule
 take them; it replaces forwards on the module objects (instance attributes), so fully_shard,
 which changes the stage module's class and hooks its calls, still runs around them.
@@ -19,6 +20,11 @@ which changes the stage module's class and hooks its calls, still runs around th
   (with the autocast state it ran under). A block a cut divides is recomputed in each stage's
   part. Counting: the n-th, 2n-th, ... block of the model (ac[every=n]), as checkpoint_blocks
   counts the repeats.
+- compile: each repeated block's forward (checkpoint inside, torchtitan's order: ac, then
+  compile, then fully_shard around the stage) goes through torch.compile with the target's
+  arguments. Each block of a stage is its own InterpreterModule with its own graph code, so
+  dynamo compiles each block once (not once per block type, as compile_regions' shared
+  region graphs do); autocast stays the stage's, which dynamo reads as ambient state.
 """
 
 from __future__ import annotations
@@ -40,17 +46,17 @@ def run_stage_forward(stage_module: nn.Module, plan: PpPlan, device_type: str) -
     """Set `stage_module` (one of torch's stage modules) to run as `plan` says; the paths of
     the blocks in it whose forward is recomputed in backward."""
     recomputed = []
-    if plan.checkpoint_every:
-        blocks = list(dict.fromkeys(block for stage in plan.stages for block in stage.blocks))
-        for index, block in enumerate(blocks):
-            if (index + 1) % plan.checkpoint_every:
-                continue
-            try:
-                module = stage_module.get_submodule(TRACED_PREFIX + block)
-            except AttributeError:
-                continue  # another stage's block
+    blocks = list(dict.fromkeys(block for stage in plan.stages for block in stage.blocks))
+    for index, block in enumerate(blocks):
+        try:
+            module = stage_module.get_submodule(TRACED_PREFIX + block)
+        except AttributeError:
+            continue  # another stage's block
+        if plan.checkpoint_every and (index + 1) % plan.checkpoint_every == 0:
             _recompute_in_backward(module)
             recomputed.append(block)
+        if plan.compile:
+            module.forward = torch.compile(module.forward, **plan.compile)
     if plan.autocast:
         _autocast(stage_module, getattr(torch, plan.autocast), device_type)
     return recomputed

@@ -74,17 +74,18 @@ class CompileRegions(Pass):
 
     @classmethod
     def stage(cls, target: Target, capture: Any) -> list[Pass]:
-        """The pass for the target's `compile` part; [] without one."""
+        """The pass for the target's `compile` part; [] without one, and under pp, whose stages
+        (not the region graphs) run: split_stages has each stage's blocks compiled there."""
         part = target.get("compile")
-        if part is None:
+        if part is None or "pp" in target:  # under pp split_stages compiles the stages' blocks
             return []
         keys = ("backend", "mode", "dynamic", "fullgraph", "scope")
         options = CompileOptions(**{key: part.get(key) for key in keys})
-        return [cls(_checked(options))]
+        return [cls(checked_options(options))]
 
     def run(self, program: Program) -> PassResult:
         options = self.options
-        _refuse_cuda_graphs_off_cuda(program, options)
+        refuse_cuda_graphs_off_cuda(program, options)
         regions = self._regions(program)
         if not regions:
             raise ValueError(
@@ -128,7 +129,7 @@ class CompileRegions(Pass):
         return [root]
 
 
-def _checked(options: CompileOptions) -> CompileOptions:
+def checked_options(options: CompileOptions) -> CompileOptions:
     """The options with the backend's registered spelling; refuses what torch cannot run."""
     registered = {name.lower(): name for name in torch._dynamo.list_backends(exclude_tags=())}
     backend = registered.get(options.backend.lower())
@@ -151,7 +152,8 @@ def _checked(options: CompileOptions) -> CompileOptions:
     )
 
 
-def _refuse_cuda_graphs_off_cuda(program: Program, options: CompileOptions) -> None:
+def refuse_cuda_graphs_off_cuda(program: Program, options: CompileOptions) -> None:
+    """Refuse a CUDA-graph mode for a model whose parameters are not all on CUDA."""
     devices = {p.device.type for p in program.module.parameters()}
     if options.mode in CUDA_GRAPH_MODES and devices != {"cuda"}:
         raise ValueError(

@@ -27,15 +27,18 @@ Beside fsdp (fsdp+pp[size=N]) the world is a (pp, dp) mesh, pp outermost as torc
 it out: N stages, each run by world / N ranks that FSDP2 shards it over, each of those reading
 its own batches (the loader divides over dp).
 
-Beside bf16 and ac the stages are what runs, not the region graphs (torch's split exports the
-model anew), so this pass decides those parts under pp instead of insert_autocast and
-checkpoint_blocks (which stand aside): each of a rank's stages runs its forward under
+Beside bf16, ac and compile the stages are what runs, not the region graphs (torch's split
+exports the model anew), so this pass decides those parts under pp instead of insert_autocast,
+checkpoint_blocks and compile_regions (which stand aside): each of a rank's stages runs its
+forward under
 torch.autocast(bfloat16) (its float outputs cast back to the dtypes traced, the float32 its
 neighbour's receive buffers hold), and each repeated block in a stage (the n-th, 2n-th, ...
-with ac[every=n]) is recomputed in backward by torch's non-reentrant checkpoint
-(`plan.pp.autocast`, `plan.pp.checkpoint_every`; execution/stage_forward.py). What those
+with ac[every=n]) is recomputed in backward by torch's non-reentrant checkpoint, and with
+compile each repeated block is torch.compile'd, checkpoint inside (torchtitan's order)
+(`plan.pp.autocast`, `checkpoint_every`, `compile`; execution/stage_forward.py). What those
 passes offer on the graphs only is refused by name: bf16[keep_fp32=...] other than the
-default (torch.autocast's own op lists decide), ac[policy=selective|budget].
+default (torch.autocast's own op lists decide), ac[policy=selective|budget],
+compile[scope=whole]; compile's options are checked as compile_regions checks them.
 
 Refused before anything runs, naming the value: a degree that is not the world (pp alone) or
 does not divide it (fsdp+pp), fewer blocks than stages, no repeated blocks, a microbatch count
@@ -54,8 +57,10 @@ from typing import Any
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import PpPlan
+from retarget.execution.compiled_calls import CompileOptions
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
+from retarget.passes.compile.compile_regions import checked_options, refuse_cuda_graphs_off_cuda
 from retarget.passes.shard.stage_cuts import best_stages, repeated_blocks
 from retarget.spec.grammar import PARTS, Target
 from retarget.spec.strategies import FSDP_STRATEGIES
@@ -91,7 +96,10 @@ class SplitStages(Pass):
     @classmethod
     def stage(cls, target: Target, capture: Any) -> list[Pass]:
         part = target.get("pp")
-        return [] if part is None else [cls(SplitStagesOptions(**part.as_dict()))]
+        if part is None:
+            return []
+        compile_options(target)  # refused as early as compile_regions refuses without pp
+        return [cls(SplitStagesOptions(**part.as_dict()))]
 
     def run(self, program: Program) -> PassResult:
         options, world = self.options, program.world.size
@@ -153,7 +161,7 @@ class SplitStages(Pass):
                 f"rank): microbatches={microbatches} makes {rounds} rounds that do not divide "
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
-        autocast, checkpoint_every = _inside_stages(program.target)
+        autocast, checkpoint_every, compile_kwargs = _inside_stages(program)
         stages, inside = best_stages(program, blocks, count, size, options.cuts)
         plan = program.plan.pp = PpPlan(
             size=size,
@@ -168,15 +176,18 @@ class SplitStages(Pass):
             inside_blocks=inside,
             autocast=autocast,
             checkpoint_every=checkpoint_every,
+            compile=compile_kwargs,
         )
         stats = {"stages": count, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
         return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
 
 
-def _inside_stages(target: Target) -> tuple[str | None, int]:
-    """What the stages run under: the autocast dtype (bf16) and which blocks are recomputed
-    (ac's every; 0 without ac). Refused: the options only the graph passes implement."""
-    autocast, every = None, 0
+def _inside_stages(program: Program) -> tuple[str | None, int, dict[str, Any] | None]:
+    """What the stages run under: the autocast dtype (bf16), which blocks are recomputed (ac's
+    every; 0 without ac) and torch.compile's arguments for each block (compile). Refused: the
+    options only the graph passes implement, and what compile_regions refuses."""
+    target = program.target
+    autocast, every, compile_kwargs = None, 0, None
     bf16 = target.get("bf16")
     if bf16 is not None:
         default = PARTS["bf16"].options["keep_fp32"].default
@@ -196,7 +207,26 @@ def _inside_stages(target: Target) -> tuple[str | None, int]:
                 "pp's stages do not run: use ac or ac[every=N]"
             )
         every = ac.get("every")
-    return autocast, every
+    options = compile_options(target)
+    if options is not None:
+        refuse_cuda_graphs_off_cuda(program, options)
+        compile_kwargs = options.torch_kwargs()
+    return autocast, every, compile_kwargs
+
+
+def compile_options(target: Target) -> CompileOptions | None:
+    """The target's compile options for the stages' blocks, checked as compile_regions checks
+    them (None without compile); compile[scope=whole] is refused."""
+    part = target.get("compile")
+    if part is None:
+        return None
+    if part.get("scope") == "whole":
+        raise TargetNotSupportedError(
+            f"'{part}' with pp: pp splits the model into stages, so no rank runs the whole "
+            "forward to compile; use compile (scope=regions: each block of a stage compiled)"
+        )
+    keys = ("backend", "mode", "dynamic", "fullgraph")
+    return checked_options(CompileOptions(**{key: part.get(key) for key in keys}))
 
 
 def _stages_per_rank(options: SplitStagesOptions, where: str) -> int:

@@ -15,9 +15,10 @@ configs (sizes shrunk, dropout off).
 - 4 gloo ranks fsdp+pp[size=2] ((pp, dp) = (2, 2)): Llama, tied Qwen2 and GPT-2 against one
   process on the whole batch, 20 clipped steps with unwrap(), the tied model's checkpoint
   resumed bitwise, Accelerate's rank members; each rank keeps its stage's weights only.
-- pp+ac and pp+bf16+ac on 2 ranks, and beside fsdp on 4: ac computes what pp computes (1e-5
-  of one process) keeping under half the activations saved for backward; bf16+ac within the
-  precision tests' bf16 tolerances of one float32 process, and not equal to it.
+- pp+ac, pp+bf16+ac and both compiled (aot_eager) on 2 ranks, and beside fsdp on 4: ac
+  computes what pp computes (1e-5 of one process) keeping under half the activations saved
+  for backward; bf16 within the precision tests' bf16 tolerances of one float32 process, and
+  not equal to it; compile compiles one graph per block of the rank's stage.
 - As a user runs it: one script (tests/scripts/pp_train_lm.py) on a saved default-config Llama,
   `--target single` in one process and `--target pp` under `retarget launch` on 2: the same
   losses, eval loss and saved weights.
@@ -223,11 +224,24 @@ def _saved_bytes_and_step(compiled: Any, data: dict[str, torch.Tensor]) -> tuple
     return loss, saved[0]
 
 
+#: What runs inside the stages, beside pp (the compiled arms on aot_eager: inductor's C++
+#: builds would dominate the test's time).
+INSIDE = (
+    "",
+    "+ac",
+    "+bf16+ac",
+    "+ac+compile[backend=aot_eager]",
+    "+bf16+ac+compile[backend=aot_eager]",
+)
+
+
 def _inside_stages(rank: int, world: int, base: str = "") -> dict[str, Any]:
-    """pp, pp+ac and pp+bf16+ac (after `base`, "fsdp+": each dp rank its rows) on one Llama
-    step against one process in float32: the loss error, the gradient error (the norm of the
+    """pp and each of INSIDE (after `base`, "fsdp+": each dp rank its rows) on one Llama step
+    against one process in float32: the loss error, the gradient error (the norm of the
     differences over the norm of one process's gradients, over this rank's parameters), the
-    bytes saved for backward, and the plan's description."""
+    bytes saved for backward, the graphs dynamo compiled, and the plan's description."""
+    from torch._dynamo.utils import counters
+
     data = batch(rows=ROWS * world // 2 if base else ROWS)
     reference = llama()
     expected = reference(**data).loss
@@ -235,7 +249,8 @@ def _inside_stages(rank: int, world: int, base: str = "") -> dict[str, Any]:
     grads = dict(reference.named_parameters())
     pp = "pp[size=2]" if base else "pp"
     out = {}
-    for parts in ("", "+ac", "+bf16+ac"):
+    for parts in INSIDE:
+        graphs = counters["stats"]["unique_graphs"]
         compiled = retarget.compile_for(llama(), f"{base}{pp}{parts}", example_inputs=batch())
         loss, saved = _saved_bytes_and_step(compiled, mine(data, compiled))
         loss = whole_loss(loss, compiled) if base else loss
@@ -250,6 +265,10 @@ def _inside_stages(rank: int, world: int, base: str = "") -> dict[str, Any]:
             "loss_error": abs(float(loss) - float(expected)),
             "grad_error": difference / norm,
             "saved": saved,
+            "graphs": counters["stats"]["unique_graphs"] - graphs,
+            "blocks": len(
+                compiled.program.plan.pp.stages_of(compiled.runtime.applied.pipeline.rank)[0].blocks
+            ),
             "plan": compiled.program.plan.pp.describe(),
             "passes": [record.name for record in compiled.history],
         }
@@ -257,25 +276,35 @@ def _inside_stages(rank: int, world: int, base: str = "") -> dict[str, Any]:
 
 
 def assert_inside_stages(results: dict[str, Any]) -> None:
-    """pp+ac computes what pp computes, keeping far fewer activations; pp+bf16+ac stays within
-    the bf16 tolerances the precision tests use, and differs from float32 (bf16 ran)."""
+    """pp+ac computes what pp computes, keeping far fewer activations, and so does it compiled;
+    pp+bf16+ac, compiled or not, stays within the bf16 tolerances the precision tests use and
+    differs from float32 (bf16 ran); each compiled arm compiled a graph per block of the
+    rank's stage, and nothing else compiled."""
     from tests.passes.precision.test_insert_autocast import GRAD_RTOL_DEFAULT, LOSS_ATOL
 
-    plain, recomputed, low = results[""], results["+ac"], results["+bf16+ac"]
-    for r in (plain, recomputed):
-        assert r["loss_error"] < 1e-5 and r["grad_error"] < 1e-5, r
-    assert recomputed["saved"] < 0.5 * plain["saved"], (recomputed["saved"], plain["saved"])
-    assert low["loss_error"] <= LOSS_ATOL, low
-    assert 1e-5 < low["grad_error"] <= GRAD_RTOL_DEFAULT, low
-    assert low["saved"] < 0.5 * plain["saved"]
-    assert "every block recomputed in backward" in recomputed["plan"]
-    assert "each stage under torch.autocast(bfloat16)" in low["plan"]
-    # the region-graph passes stand aside: the stages, not the region graphs, run
-    assert "insert_autocast" not in low["passes"] and "checkpoint_blocks" not in low["passes"]
+    plain = results[""]
+    for parts, r in results.items():
+        if "bf16" in parts:
+            assert r["loss_error"] <= LOSS_ATOL, (parts, r)
+            assert 1e-5 < r["grad_error"] <= GRAD_RTOL_DEFAULT, (parts, r)
+            assert "each stage under torch.autocast(bfloat16)" in r["plan"]
+        else:
+            assert r["loss_error"] < 1e-5 and r["grad_error"] < 1e-5, (parts, r)
+        if "+ac" in parts:
+            assert "every block recomputed in backward" in r["plan"]
+        if "compile" in parts:
+            assert r["graphs"] == r["blocks"], (parts, r)
+            assert "each block compiled (torch.compile backend=aot_eager)" in r["plan"]
+        else:
+            assert r["graphs"] == 0, (parts, r)
+        if parts in ("+ac", "+bf16+ac"):
+            assert r["saved"] < 0.5 * plain["saved"], (parts, r["saved"], plain["saved"])
+        # the region-graph passes stand aside: the stages, not the region graphs, run
+        assert not {"insert_autocast", "checkpoint_blocks", "compile_regions"} & set(r["passes"])
 
 
 @pytest.mark.distributed
-def test_bf16_and_ac_run_inside_the_stages_on_two_ranks():
+def test_bf16_ac_and_compile_run_inside_the_stages_on_two_ranks():
     for results in run_ranks(_inside_stages, 2, timeout=300):
         assert_inside_stages(results)
 
@@ -703,11 +732,19 @@ def test_interleaved_microbatches_must_fill_its_rounds():
         retarget.compile_for(llama(), target, example_inputs=batch(rows=10), world_size=2)
 
 
-def test_pp_combines_with_fsdp_bf16_and_ac_only_so_far():
+def test_pp_combines_with_fsdp_bf16_ac_and_compile_only_so_far():
     with pytest.raises(TargetError, match="'pp' does not combine with 'fp16'"):
         retarget.compile_for(llama(), "fp16+pp", example_inputs=batch(), world_size=2)
-    with pytest.raises(TargetError, match="'pp' does not combine with 'compile'"):
-        retarget.compile_for(llama(), "pp+compile", example_inputs=batch(), world_size=2)
+    with pytest.raises(TargetError, match="'pp' does not combine with 'fp8'"):
+        retarget.compile_for(llama(), "bf16+fp8+pp", example_inputs=batch(), world_size=2)
+    with pytest.raises(TargetNotSupportedError, match=r"'compile\[scope=whole\]' with pp"):
+        retarget.compile_for(
+            llama(), "compile[scope=whole]+pp", example_inputs=batch(), world_size=2
+        )
+    with pytest.raises(ValueError, match="backend='nope' is not a registered"):
+        retarget.compile_for(
+            llama(), "compile[backend=nope]+pp", example_inputs=batch(), world_size=2
+        )
     # what only the region-graph passes implement is refused by name
     with pytest.raises(TargetNotSupportedError, match=r"'bf16\[keep_fp32=.*' with pp.*drop"):
         retarget.compile_for(
