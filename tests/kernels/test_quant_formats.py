@@ -112,6 +112,33 @@ def test_quantized_linear_computes_in_its_compute_dtype_and_returns_the_input_dt
     assert torch.equal(out, expected)
 
 
+def test_a_training_forward_saves_the_packed_weight_not_a_dequantized_copy():
+    """Between forward and backward a quantized Linear holds its packed bytes only: a plain
+    F.linear on the dequantized weight would keep a full-precision copy of it for the input's
+    gradient (7x the packed bytes), which is the memory QLoRA exists to save."""
+    module = _quantized()
+    module.bias.requires_grad_(True)
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    x = torch.randn(3, 40, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = module(x)
+    assert any(t is module.weight or t.data_ptr() == module.weight.data_ptr() for t in saved)
+    assert all(t.numel() < module.in_features * module.out_features for t in saved), [
+        t.shape for t in saved
+    ]
+    out.square().sum().backward()
+    reference_x = x.detach().clone().requires_grad_(True)
+    reference_bias = module.bias.detach().clone().requires_grad_(True)
+    F.linear(reference_x, module.dequantized_weight(), reference_bias).square().sum().backward()
+    assert torch.equal(x.grad, reference_x.grad)
+    assert torch.equal(module.bias.grad, reference_bias.grad)
+
+
 def test_original_state_gives_back_what_the_linear_held():
     module = _quantized(bias=False)
     state = module.original_state()

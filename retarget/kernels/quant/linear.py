@@ -5,7 +5,12 @@ format's byte buffer (1-D, formats.py) viewed as a float
 dtype (see formats.py): FSDP2 shards, gathers and checkpoints it like any parameter, and the
 dtype is the one FSDP gathers in, so a MixedPrecisionPolicy never casts (and so never corrupts)
 its bytes. Each call dequantizes the whole weight in the compute dtype and runs one matmul;
-gradients flow to the input (and to the bias when it is trainable), never to the weight.
+gradients flow to the input (and to the bias when it is trainable), never to the weight. The
+matmul is `DequantizedLinear`, which saves the packed weight for backward and dequantizes it
+again there: a plain F.linear would save the dequantized weight, so that between forward and
+backward a training step held a full-precision copy of every quantized weight (7x the packed
+bytes in float32, as much as the unquantized model: QLoRA's saving gone). bitsandbytes'
+MatMul4Bit and torchao's LinearNF4 do the same.
 The output has the input's dtype, as bitsandbytes' Linear4bit returns it: the module is
 dtype-preserving wherever it runs (eager, under torch.autocast, or called from a graph).
 
@@ -33,6 +38,35 @@ from retarget.kernels.quant.formats import (
     quantize,
     quantize_from,
 )
+
+
+class DequantizedLinear(torch.autograd.Function):
+    """F.linear(x, dequantize(packed), bias), saving only the packed weight (and the code's
+    levels) for backward, where the weight is dequantized again for the input's gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        layout: QuantLayout,
+        dtype: torch.dtype,
+        levels: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(packed, levels)
+        ctx.layout, ctx.dtype, ctx.has_bias = layout, dtype, bias is not None
+        return F.linear(x, dequantize(packed, layout, dtype, levels), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        packed, levels = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ dequantize(packed, ctx.layout, ctx.dtype, levels)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, None, grad_bias, None, None, None
 
 
 class QuantizedLinear(nn.Linear):
@@ -88,9 +122,11 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
-        weight = dequantize(self.weight, self.layout, dtype, self.levels)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), weight, bias).to(x.dtype)
+        out = DequantizedLinear.apply(
+            x.to(dtype), self.weight, bias, self.layout, dtype, self.levels
+        )
+        return out.to(x.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out, in) weight this module computes with, in the dtype it had."""
