@@ -72,6 +72,9 @@ class DequantizedLinear(torch.autograd.Function):
 class QuantizedLinear(nn.Linear):
     """y = x @ dequantize(weight).T + bias, computed in `compute_dtype` (None: x's dtype)."""
 
+    #: Whose format and kernels hold the weight (quant[backend=...]).
+    backend = "native"
+
     def __init__(
         self,
         linear: nn.Linear,
@@ -132,13 +135,18 @@ class QuantizedLinear(nn.Linear):
         """The (out, in) weight this module computes with, in the dtype it had."""
         return dequantize(self.weight.detach(), self.layout, self.weight_dtype, self.levels)
 
+    def dequantized_from(self, stored: torch.Tensor) -> torch.Tensor:
+        """The (out, in) weight, in the dtype it had, that `stored` (this module's weight as
+        gathered or saved, on any device) holds."""
+        return dequantize(stored, self.layout, self.weight_dtype)
+
     def original_state(self) -> dict[str, torch.Tensor | None]:
         """What the nn.Linear it replaced held: the dequantized weight, and the bias.
 
         Under FSDP2 the packed weight is gathered whole first (a collective)."""
         weight = self.weight.detach()
         full = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-        weight = dequantize(full, self.layout, self.weight_dtype, self.levels)
+        weight = self.dequantized_from(full)
         return {"weight": weight, **({"bias": self.bias} if self.bias is not None else {})}
 
     def quantized_bytes(self) -> int:
@@ -149,6 +157,7 @@ class QuantizedLinear(nn.Linear):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.layout.format}, "
-            f"block_size={self.layout.block_size}, double_quant={self.layout.double_quant}, "
+            f"backend={self.backend}, block_size={self.layout.block_size}, "
+            f"double_quant={self.layout.double_quant}, "
             f"compute={compute}"
         )

@@ -33,6 +33,9 @@ class QuantEligibility:
     """Path of the model's output head (its output embeddings), when the model says."""
     adapters: frozenset[str] = frozenset()
     """Paths of Linears inside PEFT tuner layers other than their base layers."""
+    element_multiple: int = 1
+    """The backend's kernel needs a weight's element count to be a multiple of this (torchao's
+    nf4: block_size x 256, its blocks of block scales); 1: any size."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,14 @@ RULES: tuple[Rule, ...] = (
             else "the last Linear of the model (taken as its output head)"
         ),
     ),
+    Rule(
+        "kernel_size",
+        lambda f, o: f.module.weight.numel() % o.element_multiple != 0,
+        lambda f, o: (
+            f"{f.module.weight.numel()} weight elements are not a multiple of "
+            f"{o.element_multiple}, which the backend's format needs"
+        ),
+    ),
 )
 
 
@@ -127,10 +138,18 @@ def decide(facts: LinearFacts, options: QuantEligibility) -> QuantDecision:
 
 
 def decide_all(
-    root: nn.Module, skip: tuple[str, ...], called: set[str] | None = None
+    root: nn.Module,
+    skip: tuple[str, ...],
+    called: set[str] | None = None,
+    element_multiple: int = 1,
 ) -> list[QuantDecision]:
     """The table applied to every nn.Linear of `root`, in module order."""
-    options = QuantEligibility(skip=skip, head=output_head(root), adapters=adapter_paths(root))
+    options = QuantEligibility(
+        skip=skip,
+        head=output_head(root),
+        adapters=adapter_paths(root),
+        element_multiple=element_multiple,
+    )
     return [decide(facts, options) for facts in _linear_facts(root, called)]
 
 

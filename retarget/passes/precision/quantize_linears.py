@@ -7,7 +7,11 @@ Contract: requires regions, shapes | provides quant | after - | numerics approx(
    rule that kept it and why (output head, tied weights, PEFT adapters, `skip=` patterns, ...).
    The report lists every Linear (`program.analysis.quant`).
 2. Check the backend before touching anything: `native` (retarget.kernels.quant, torch ops on any
-   device, nf4 / fp4 / int8). bnb and torchao are refused by name (not implemented yet).
+   device, nf4 / fp4 / int8), or `torchao` (kernels/quant/torchao_linear.py: torchao's NF4Tensor
+   and Int8Tensor, in one process; its nf4 always quantizes the block scales, and needs a
+   weight's element count to be a multiple of block_size x 256, which the rule table checks).
+   bnb is refused by name (not implemented yet), and so are what torchao cannot do here: fp4,
+   and any distribution strategy (FSDP2/DDP over its tensor subclasses is not wired in).
 3. Swap in the structural copy (`program.module`): a QuantizedLinear at the Linear's path, its
    weight one frozen packed buffer stored in the dtype FSDP2 gathers in (bf16/fp16 under
    fsdp+bf16/fp16, else the weight's dtype), computed in `compute` (auto: the target's bf16/fp16,
@@ -41,6 +45,7 @@ from retarget.core.modules import release_replaced
 from retarget.ir.program import Program
 from retarget.kernels.quant.formats import BITS, QuantLayout
 from retarget.kernels.quant.linear import QuantizedLinear
+from retarget.kernels.quant.torchao_linear import NF4_SCALER_BLOCK, TorchaoLinear, torchao_api
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.passes.precision.fp8_rules import unused_patterns
 from retarget.passes.precision.quant_rules import QuantDecision, decide_all
@@ -54,7 +59,6 @@ _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32
 #: Backends named in the schema that are not implemented, and what to use instead.
 _NOT_IMPLEMENTED = {
     "bnb": "bitsandbytes' Linear4bit/Linear8bitLt are not wired in yet",
-    "torchao": "torchao's quantized tensors are not wired in yet",
 }
 
 
@@ -135,14 +139,15 @@ class QuantizeLinears(Pass):
                 f"quant[backend={backend}]: {_NOT_IMPLEMENTED[backend]}; use backend=native "
                 "(the same nf4/fp4/int8 formats in torch ops, on any device)"
             )
-        decisions = decide_all(program.module, options.skip, called_paths(program))
+        multiple = _check_torchao(options, program) if backend == "torchao" else 1
+        decisions = decide_all(program.module, options.skip, called_paths(program), multiple)
         chosen = [d.path for d in decisions if d.quantized]
         layouts = {path: self._layout(program.submodule(path)) for path in chosen}
         report = program.analysis.quant = {
             "backend": backend,
             "format": options.format,
             "bits": BITS[options.format],
-            "double_quant": options.double_quant and BITS[options.format] == 4,
+            "double_quant": self._double_quant(backend),
             "linears": {d.path: d.to_dict() for d in decisions},
         }
         stats: dict[str, Any] = {"backend": backend, "linears": len(decisions)}
@@ -158,14 +163,19 @@ class QuantizeLinears(Pass):
         for path in chosen:
             linear = program.submodule(path)
             weight = linear.weight
-            swapped = QuantizedLinear(
-                linear,
-                layouts[path],
-                storage_dtype=options.storage_dtype(weight),
-                compute_dtype=compute,
-            )
+            swapped: QuantizedLinear
+            if backend == "torchao":
+                swapped = TorchaoLinear(linear, layouts[path], compute_dtype=compute)
+                stored.add(f"torchao's {type(swapped.weight).__name__}")
+            else:
+                swapped = QuantizedLinear(
+                    linear,
+                    layouts[path],
+                    storage_dtype=options.storage_dtype(weight),
+                    compute_dtype=compute,
+                )
+                stored.add(_dtype_name(swapped.weight.dtype))
             program.module.set_submodule(path, swapped)
-            stored.add(_dtype_name(swapped.weight.dtype))
             before += weight.numel() * weight.element_size()
             after += swapped.quantized_bytes()
             report["linears"][path].update(bytes=swapped.quantized_bytes(), format=options.format)
@@ -183,6 +193,11 @@ class QuantizeLinears(Pass):
             f"{released} full-size weights of the original model released",
             *kept_notes,
             *(
+                ["torchao's nf4 quantizes its block scales too (double_quant), asked or not"]
+                if backend == "torchao" and options.format == "nf4" and not options.double_quant
+                else []
+            ),
+            *(
                 f"region {name}: {n} calls now run the quantized modules"
                 for name, n in calls.items()
             ),
@@ -197,14 +212,45 @@ class QuantizeLinears(Pass):
             notes.append(message)
         return PassResult(True, stats, tuple(notes))
 
+    def _double_quant(self, backend: str) -> bool:
+        """Whether the block scales are quantized too: as asked, and always by torchao's nf4."""
+        options = self.options
+        if backend == "torchao" and options.format == "nf4":
+            return True
+        return options.double_quant and BITS[options.format] == 4
+
     def _layout(self, linear: nn.Linear) -> QuantLayout:
         options = self.options
+        backend = "native" if options.backend == "auto" else options.backend
         return QuantLayout(
             options.format,
             (linear.out_features, linear.in_features),
             options.block_size,
-            options.double_quant and BITS[options.format] == 4,
+            self._double_quant(backend),
         )
+
+
+def _check_torchao(options: QuantizeOptions, program: Program) -> int:
+    """Refuse what backend=torchao cannot do here (before anything is swapped); the element
+    count its format needs a weight to be a multiple of."""
+    where = f"quant[backend=torchao,type={options.format}]"
+    if options.format not in ("nf4", "int8"):
+        raise TargetNotSupportedError(
+            f"{where}: torchao has no {options.format} weight-only format here; use type=nf4 "
+            "or int8, or backend=native (which has fp4)"
+        )
+    strategy = program.target.strategy
+    if strategy != "single":
+        raise TargetNotSupportedError(
+            f"{where} with {strategy}: sharding or replicating torchao's tensor subclasses "
+            "(FSDP2, DDP) is not wired in; use backend=native, whose packed weights are plain "
+            "tensors FSDP2 shards"
+        )
+    try:
+        torchao_api()
+    except ImportError as error:
+        raise TargetNotSupportedError(str(error)) from error
+    return options.block_size * NF4_SCALER_BLOCK if options.format == "nf4" else 1
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

@@ -40,7 +40,6 @@ from torch.nn.parallel import DistributedDataParallel
 from retarget.core.slots import PROGRAM
 from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
-from retarget.kernels.quant.formats import dequantize
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.runtime.state.codec import fsync_file
 from retarget.spec.values import parse_size as parse_bytes_of
@@ -121,7 +120,7 @@ def dequantized(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, to
     for path, module in _peel(model).named_modules():
         key = f"{path}.weight" if path else "weight"
         if isinstance(module, QuantizedLinear) and key in full:
-            full[key] = dequantize(full[key], module.layout, module.weight_dtype)
+            full[key] = module.dequantized_from(full[key])
     return full
 
 

@@ -23,14 +23,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 CONFIGS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
-def base_model(name: str = "llama") -> nn.Module:
+def base_model(name: str = "llama", hidden: int = 64) -> nn.Module:
     """The model at its default config, sizes shrunk; GQA (2 key/value heads of 4)."""
     config_class, model_class = CONFIGS[name]
     torch.manual_seed(0)
     config = config_class(
         vocab_size=zoo.VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -49,10 +49,10 @@ def batch() -> dict[str, torch.Tensor]:
     return {**inputs, "labels": inputs["input_ids"]}
 
 
-def dequantized_reference(compiled: nn.Module, name: str) -> nn.Module:
+def dequantized_reference(compiled: nn.Module, name: str, hidden: int = 64) -> nn.Module:
     """The same LoRA model in plain eager form, each quantized base weight replaced by what the
     quantized module computes with."""
-    reference = lora(base_model(name))
+    reference = lora(base_model(name, hidden))
     modules = dict(compiled.named_modules())
     with torch.no_grad():
         for path, module in reference.named_modules():
@@ -90,19 +90,33 @@ def test_qlora_trains_the_adapters_on_quantized_base_weights(name, bits):
     text = str(compiled.report)
     assert "quant" in text and "kept: output_head" in text
 
-    # Numerics: exactly the model with dequantized weights; near the unquantized one.
-    reference = dequantized_reference(compiled, name)
+    assert_dequantized_numerics(compiled, name, inputs, unquantized.logits, bits)
+    assert_adapters_train(compiled, inputs)
+    named = dict(compiled.named_parameters())
+    assert all(named[f"{p}.weight"].grad is None for p in quantized)
+
+
+def assert_dequantized_numerics(
+    compiled: nn.Module, name: str, inputs: dict, unquantized: torch.Tensor, bits: int,
+    hidden: int = 64,
+) -> None:  # fmt: skip
+    """The logits are exactly the model's with dequantized weights, and near the unquantized
+    model's: a normal weight's quantization noise is ~10% of its RMS under nf4 and ~0.7% under
+    int8 (half a level step, docs/quantization.md); the logits inherit it (measured 9-11%,
+    0.7%)."""
+    reference = dequantized_reference(compiled, name, hidden)
     compiled.eval(), reference.eval()
     with torch.no_grad():
-        got = compiled(**inputs)
-        want = reference(**inputs)
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
-    # A normal weight's quantization noise is ~10% of its RMS under nf4 and ~0.7% under int8
-    # (half a level step, docs/quantization.md); the logits inherit it (measured 9-11%, 0.7%).
-    centred = unquantized.logits - unquantized.logits.mean()
-    error = (got.logits - unquantized.logits).norm() / centred.norm()
+        got = compiled(**inputs).logits
+        want = reference(**inputs).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    centred = unquantized - unquantized.mean()
+    error = (got - unquantized).norm() / centred.norm()
     assert error < (0.15 if bits == 4 else 0.015), error
 
+
+def assert_adapters_train(compiled: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    """20 AdamW steps on the trainable parameters lower the loss; only the adapters train."""
     compiled.train()
     trainable = [p for p in compiled.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
@@ -116,7 +130,6 @@ def test_qlora_trains_the_adapters_on_quantized_base_weights(name, bits):
     assert losses[-1] < 0.9 * losses[0], losses
     named = dict(compiled.named_parameters())
     assert all(".lora_" in n for n, p in named.items() if p.requires_grad)
-    assert all(named[f"{p}.weight"].grad is None for p in quantized)
 
 
 @pytest.mark.parametrize(
@@ -255,3 +268,114 @@ def test_adapters_save_with_peft_and_the_model_saves_in_its_own_layout(tmp_path)
     named = dict(loaded.named_parameters())
     for name, value in trained.items():
         assert torch.equal(named[name], value), name
+
+
+# -- backend=torchao ---------------------------------------------------------------------------
+#: torchao's nf4 quantizes its block scales in blocks of 256: a weight needs 64 x 256 elements
+#: (a multiple), which hidden 128 gives q/o (128 x 128) and the MLP, not k/v (128 x 64).
+AO_HIDDEN = 128
+
+
+def _saved_dense_copies(compiled: nn.Module, inputs: dict, shapes: set) -> list[tuple]:
+    """Float matrices of a quantized weight's shape that a training forward saves for backward
+    and that are not one of the model's own tensors (a dequantized copy)."""
+    own = {t.data_ptr() for t in [*compiled.parameters(), *compiled.buffers()]}
+    found = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) is torch.Tensor and tuple(tensor.shape) in shapes:
+            if tensor.data_ptr() not in own:
+                found.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compiled(**inputs).loss.backward()
+    return found
+
+
+@pytest.mark.parametrize(("name", "bits"), [("llama", 4), ("qwen2", 4), ("llama", 8)])
+def test_torchao_backend_trains_the_adapters_on_torchaos_tensors(name, bits):
+    from retarget.kernels.quant.torchao_linear import TorchaoLinear
+
+    inputs = batch()
+    with torch.no_grad():
+        unquantized = base_model(name, AO_HIDDEN).eval()(**inputs)
+    compiled = retarget.compile_for(
+        lora(base_model(name, AO_HIDDEN)), f"quant[bits={bits},backend=torchao]",
+        example_inputs=inputs,
+    )  # fmt: skip
+    quant = compiled.program.analysis.quant
+    decided = quant["linears"]
+    quantized = [p for p, d in decided.items() if d["quantized"]]
+    kept = {p.rsplit(".", 2)[-2] for p, d in decided.items() if d["rule"] == "kernel_size"}
+    assert kept == ({"k_proj", "v_proj"} if bits == 4 else set()), kept
+    assert len(quantized) == 2 * (len(TARGETS) - len(kept))
+    assert {type(compiled.get_submodule(p)) for p in quantized} == {TorchaoLinear}
+    weights = {type(compiled.get_submodule(p).weight).__name__ for p in quantized}
+    assert weights == ({"NF4Tensor"} if bits == 4 else {"Int8Tensor"})
+    assert quant["weight_bytes"]["after"] / quant["weight_bytes"]["before"] <= 0.30
+    assert quant["double_quant"] is (bits == 4)  # torchao's nf4 always quantizes its scales
+    text = str(compiled.report)
+    assert "by the torchao backend" in text
+    assert ("kept: kernel_size" in text) is (bits == 4)
+
+    # The model computes with torchao's dequantized weights; near the unquantized model.
+    assert_dequantized_numerics(compiled, name, inputs, unquantized.logits, bits, AO_HIDDEN)
+
+    compiled.train()
+    shapes = {tuple(compiled.get_submodule(p).dequantized_weight().shape) for p in quantized}
+    shapes |= {s[::-1] for s in shapes}
+    assert _saved_dense_copies(compiled, inputs, shapes) == []
+    compiled.zero_grad()
+    assert_adapters_train(compiled, inputs)
+
+
+def test_torchao_backend_resumes_saves_and_unwraps(tmp_path):
+    from safetensors.torch import load_file
+
+    from retarget.runtime.state.checkpoint import load_state, save_state
+    from retarget.runtime.state.save_model import save_model
+
+    inputs = batch()
+
+    def prepared() -> tuple[nn.Module, torch.optim.Optimizer]:
+        compiled = retarget.compile_for(
+            lora(base_model("llama", AO_HIDDEN)), "quant[backend=torchao]", example_inputs=inputs
+        )
+        trainable = [p for p in compiled.parameters() if p.requires_grad]
+        return compiled, compiled.runtime.prepare(torch.optim.AdamW(trainable, lr=1e-2))
+
+    compiled, optimizer = prepared()
+    for _ in range(2):
+        compiled.runtime.backward(compiled(**inputs).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    save_state(tmp_path / "state", model=compiled, optimizers=[optimizer])
+    resumed, resumed_optimizer = prepared()
+    load_state(tmp_path / "state", model=resumed, optimizers=[resumed_optimizer])
+    for model, opt in ((compiled, optimizer), (resumed, resumed_optimizer)):
+        model.runtime.backward(model(**inputs).loss)
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(compiled.named_parameters(), resumed.parameters(), strict=True):
+        if a.requires_grad:
+            assert torch.equal(a, b), name
+
+    path = "base_model.model.model.layers.0.mlp.up_proj.base_layer"
+    dequantized = compiled.get_submodule(path).dequantized_weight()
+    save_model(compiled, tmp_path / "full")
+    saved = load_file(tmp_path / "full" / "model.safetensors")
+    assert saved[f"{path}.weight"].shape == (2 * AO_HIDDEN, AO_HIDDEN)
+    assert torch.equal(saved[f"{path}.weight"], dequantized)
+    plain = compiled.unwrap().get_submodule(path)
+    assert type(plain.weight) is nn.Parameter and torch.equal(plain.weight, dequantized)
+
+
+def test_torchao_backend_refusals_name_the_setting():
+    model = lora(base_model("llama", AO_HIDDEN))
+    with pytest.raises(TargetNotSupportedError, match=r"torchao has no fp4 .*backend=native"):
+        retarget.compile_for(model, "quant[backend=torchao,type=fp4]", example_inputs=batch())
+    with pytest.raises(TargetNotSupportedError, match=r"backend=torchao,type=nf4\] with fsdp"):
+        retarget.compile_for(
+            model, "fsdp+quant[backend=torchao]", example_inputs=batch(), world_size=2
+        )
