@@ -376,11 +376,21 @@ def offload_policy(plan: FsdpPlan) -> Any:
     return CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
 
 
+def tensor_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `tensor`'s values: itself, or a tensor subclass's inner tensors
+    (torchao's quantized weights: their codes and scales), which collectives take."""
+    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in tensor_parts(getattr(tensor, name))]
+
+
 def broadcast_module_states(module: nn.Module) -> None:
     """Every rank takes rank 0's parameters and buffers (sync_module_states)."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            for part in tensor_parts(tensor.data):
+                dist.broadcast(part, src=0)
 
 
 @contextlib.contextmanager

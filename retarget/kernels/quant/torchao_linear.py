@@ -14,9 +14,11 @@ modules finds it) with torchao's storage and kernels in place of ours, and the s
 the output in the input's dtype, computed in `compute_dtype`; gradients to the input and the
 bias, never to the weight; only the quantized weight saved for backward, where it is
 dequantized again (`TorchaoMatmul`). `dequantized_weight()` / `original_state()` give the float
-weight back for unwrap() and save_model. Not here: FSDP2 sharding, loading a checkpoint into
-it (`load_weight`), re-storing its bytes (`store_as`): quantize_linears refuses fsdp with this
-backend, and load_and_quantize_model builds native modules.
+weight back for unwrap() and save_model. FSDP2 shards an NF4Tensor through torchao's own FSDP
+hooks (its pre/post all-gather and split), gathering it in the policy's dtype itself, so it is
+never re-stored (`store_as`); Int8Tensor has no split, and quantize_linears refuses it under
+fsdp. Not here: loading a checkpoint into it (`load_weight`): load_and_quantize_model builds
+native modules.
 
 torchao is imported when a module is built (it is an optional package, slow to import); the
 pass checks that it is installed with these names (`torchao_api`) before swapping anything.
@@ -155,6 +157,6 @@ class TorchaoLinear(QuantizedLinear):
 
     def store_as(self, dtype: torch.dtype) -> None:
         raise NotImplementedError(
-            "TorchaoLinear keeps torchao's tensor: FSDP2 over it is not wired in (quant refuses "
-            "fsdp with backend=torchao)"
+            "TorchaoLinear keeps torchao's tensor, which FSDP2 gathers through torchao's own "
+            "hooks: its bytes are never re-stored"
         )

@@ -8,10 +8,11 @@ Contract: requires regions, shapes | provides quant | after - | numerics approx(
    The report lists every Linear (`program.analysis.quant`).
 2. Check the backend before touching anything: `native` (retarget.kernels.quant, torch ops on any
    device, nf4 / fp4 / int8), or `torchao` (kernels/quant/torchao_linear.py: torchao's NF4Tensor
-   and Int8Tensor, in one process; its nf4 always quantizes the block scales, and needs a
-   weight's element count to be a multiple of block_size x 256, which the rule table checks).
+   and Int8Tensor; its nf4 always quantizes the block scales, and needs a weight's element
+   count to be a multiple of block_size x 256, x the ranks under fsdp, which the rule table
+   checks). FSDP2 shards nf4 weights through NF4Tensor's own FSDP hooks (fsdp, zero3, zero2).
    bnb is refused by name (not implemented yet), and so are what torchao cannot do here: fp4,
-   and any distribution strategy (FSDP2/DDP over its tensor subclasses is not wired in).
+   int8 under fsdp (Int8Tensor has no split), ddp/zero1/hsdp.
 3. Swap in the structural copy (`program.module`): a QuantizedLinear at the Linear's path, its
    weight one frozen packed buffer stored in the dtype FSDP2 gathers in (bf16/fp16 under
    fsdp+bf16/fp16, else the weight's dtype), computed in `compute` (auto: the target's bf16/fp16,
@@ -57,6 +58,9 @@ from retarget.spec.strategies import FSDP_STRATEGIES
 _SCHEMA = PARTS["quant"].options
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Backends named in the schema that are not implemented, and what to use instead.
+#: The strategies that may shard torchao's nf4 weights (FSDP2 over the whole world: NF4Tensor's
+#: own FSDP hooks gather it).
+TORCHAO_SHARDED = ("fsdp", "zero3", "zero2")
 _NOT_IMPLEMENTED = {
     "bnb": "bitsandbytes' Linear4bit/Linear8bitLt are not wired in yet",
 }
@@ -240,17 +244,27 @@ def _check_torchao(options: QuantizeOptions, program: Program) -> int:
             "or int8, or backend=native (which has fp4)"
         )
     strategy = program.target.strategy
-    if strategy != "single":
+    sharded = strategy in TORCHAO_SHARDED
+    if strategy != "single" and not (sharded and options.format == "nf4"):
+        why = (
+            "torchao's Int8Tensor has no split for FSDP2 to shard it by; use type=nf4"
+            if sharded
+            else "replicating or sharding torchao's tensor subclasses that way (DDP's "
+            "broadcast and buckets, hsdp's 2-D mesh) is not wired in; use fsdp"
+        )
         raise TargetNotSupportedError(
-            f"{where} with {strategy}: sharding or replicating torchao's tensor subclasses "
-            "(FSDP2, DDP) is not wired in; use backend=native, whose packed weights are plain "
-            "tensors FSDP2 shards"
+            f"{where} with {strategy}: {why}, or backend=native, whose packed weights are "
+            "plain tensors every strategy handles"
         )
     try:
         torchao_api()
     except ImportError as error:
         raise TargetNotSupportedError(str(error)) from error
-    return options.block_size * NF4_SCALER_BLOCK if options.format == "nf4" else 1
+    if options.format != "nf4":
+        return 1
+    # NF4Tensor's FSDP2 split divides its blocks of block scales among the ranks.
+    shards = program.world.size if sharded else 1
+    return options.block_size * NF4_SCALER_BLOCK * shards
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

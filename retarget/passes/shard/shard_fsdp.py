@@ -248,7 +248,8 @@ def restore_quantized(program: Program, param_dtype: str | None) -> int:
         return 0
     dtype = parse_dtype(param_dtype)
     modules = [m for m in program.module.modules() if isinstance(m, QuantizedLinear)]
-    changed = [m for m in modules if m.weight.dtype != dtype]
+    # torchao's weights gather themselves (their FSDP2 hooks), in their own storage dtypes.
+    changed = [m for m in modules if m.backend == "native" and m.weight.dtype != dtype]
     for module in changed:
         module.store_as(dtype)
     return len(changed)

@@ -23,7 +23,9 @@ def global_batch() -> dict[str, torch.Tensor]:
 
 
 def _quantized_storage(model: torch.nn.Module) -> tuple[int, set[torch.dtype]]:
-    """Bytes of the packed weights this rank holds, and their dtypes."""
+    """Bytes of the packed weights this rank holds (a torchao weight's: its inner tensors'),
+    and their dtypes."""
+    from retarget.execution.apply_plan import tensor_parts
     from retarget.kernels.quant.linear import QuantizedLinear
 
     total, dtypes = 0, set()
@@ -31,19 +33,27 @@ def _quantized_storage(model: torch.nn.Module) -> tuple[int, set[torch.dtype]]:
         if isinstance(module, QuantizedLinear):
             weight = module.weight
             local = weight.to_local() if hasattr(weight, "to_local") else weight
-            total += local.numel() * local.element_size()
+            total += sum(part.numel() * part.element_size() for part in tensor_parts(local))
             dtypes.add(local.dtype)
     return total, dtypes
 
 
 def _train(
-    target: str, batch: dict, steps: range, folder=None, *, save_at=None, resume=False, save_to=None
+    target: str,
+    batch: dict,
+    steps: range,
+    folder=None,
+    *,
+    save_at=None,
+    resume=False,
+    save_to=None,
+    hidden: int = 64,
 ):
     """(losses, adapter weights, (quantized bytes, their dtypes)) of `steps` of LoRA training
-    on `batch`."""
+    on `batch`, the model at `hidden`."""
     from retarget.runtime.state.checkpoint import load_state, save_state
 
-    model = retarget.compile_for(lora(base_model()), target, example_inputs=batch)
+    model = retarget.compile_for(lora(base_model(hidden=hidden)), target, example_inputs=batch)
     run = model.runtime
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = run.prepare(torch.optim.AdamW(trainable, lr=1e-2))
@@ -70,19 +80,16 @@ def _train(
     return losses, adapters, _quantized_storage(model)
 
 
-def _fsdp_rank(rank: int, world: int, folder: str):
+def _fsdp_rank(rank: int, world: int, folder: str, quant: str, hidden: int):
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     batch = {k: v[rows] for k, v in global_batch().items()}
+    target = f"fsdp+{quant}"
     losses, adapters, nbytes = _train(
-        "fsdp+quant[bits=4]",
-        batch,
-        range(STEPS),
-        folder,
-        save_at=SAVE_AT,
-        save_to=folder + "-model",
-    )
+        target, batch, range(STEPS), folder, save_at=SAVE_AT, save_to=folder + "-model",
+        hidden=hidden,
+    )  # fmt: skip
     resumed, resumed_adapters, _ = _train(
-        "fsdp+quant[bits=4]", batch, range(SAVE_AT, STEPS), folder, resume=True
+        target, batch, range(SAVE_AT, STEPS), folder, resume=True, hidden=hidden
     )
     return losses, adapters, nbytes, resumed, resumed_adapters
 
@@ -90,16 +97,42 @@ def _fsdp_rank(rank: int, world: int, folder: str):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_qlora_matches_one_process_and_resumes_bitwise(tmp_path):
-    single_losses, single_adapters, single_bytes = _train(
-        "quant[bits=4]", global_batch(), range(STEPS), save_to=tmp_path / "single-model"
+    assert_fsdp_matches_one_process(tmp_path, "quant[bits=4]", hidden=64, adapter_atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_qlora_on_torchaos_nf4_matches_one_process_and_resumes_bitwise(tmp_path):
+    """FSDP2 shards torchao's NF4Tensor through its own FSDP hooks (its blocks of block scales
+    split over the ranks: hidden 256 gives every projection enough of them for 2 shards)."""
+    # AdamW turns float rounding in a near-zero gradient into a step of up to lr in either
+    # direction: at hidden 256 one adapter entry in 2048 differed by 2e-6 to 2e-5 (run to run)
+    # after 10 steps, the losses within 1e-6; each adapter is compared as a whole (norm).
+    assert_fsdp_matches_one_process(
+        tmp_path, "quant[backend=torchao]", hidden=256, adapter_atol=None
     )
-    ranks = run_ranks(_fsdp_rank, 2, str(tmp_path / "ckpt"), timeout=300)
+
+
+def assert_fsdp_matches_one_process(
+    tmp_path, quant: str, hidden: int, adapter_atol: float | None
+) -> None:
+    """`fsdp+<quant>` on 2 ranks against `<quant>` in one process: losses and adapters within
+    1e-4, the same dequantized weights saved, half the quantized bytes per rank, and a resume
+    at step SAVE_AT that repeats the run bit for bit."""
+    single_losses, single_adapters, single_bytes = _train(
+        quant, global_batch(), range(STEPS), save_to=tmp_path / "single-model", hidden=hidden
+    )
+    ranks = run_ranks(_fsdp_rank, 2, str(tmp_path / "ckpt"), quant, hidden, timeout=300)
     # The global loss is the mean of the ranks' (equal token counts per rank).
     losses = [sum(values) / len(values) for values in zip(*(r[0] for r in ranks), strict=True)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses), rtol=1e-4, atol=0)
     assert single_losses[-1] < 0.9 * single_losses[0]
     for name, value in single_adapters.items():
-        torch.testing.assert_close(ranks[0][1][name], value, rtol=1e-4, atol=1e-6)
+        if adapter_atol is None:  # each adapter as a whole (see the torchao test)
+            error = (ranks[0][1][name] - value).norm() / value.norm()
+            assert error <= 1e-3, (name, float(error))
+        else:
+            torch.testing.assert_close(ranks[0][1][name], value, rtol=1e-4, atol=adapter_atol)
     # save_model gathers the packed weights and writes them dequantized, in the model's layout.
     from safetensors.torch import load_file
 

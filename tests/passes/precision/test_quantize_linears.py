@@ -375,7 +375,11 @@ def test_torchao_backend_refusals_name_the_setting():
     model = lora(base_model("llama", AO_HIDDEN))
     with pytest.raises(TargetNotSupportedError, match=r"torchao has no fp4 .*backend=native"):
         retarget.compile_for(model, "quant[backend=torchao,type=fp4]", example_inputs=batch())
-    with pytest.raises(TargetNotSupportedError, match=r"backend=torchao,type=nf4\] with fsdp"):
+    with pytest.raises(TargetNotSupportedError, match=r"type=int8\] with fsdp: .* no split"):
         retarget.compile_for(
-            model, "fsdp+quant[backend=torchao]", example_inputs=batch(), world_size=2
+            model, "fsdp+quant[backend=torchao,bits=8]", example_inputs=batch(), world_size=2
+        )
+    with pytest.raises(TargetNotSupportedError, match=r"type=nf4\] with ddp: .*use fsdp"):
+        retarget.compile_for(
+            model, "ddp+quant[backend=torchao]", example_inputs=batch(), world_size=2
         )
