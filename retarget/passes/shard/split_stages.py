@@ -38,7 +38,8 @@ compile each repeated block is torch.compile'd, checkpoint inside (torchtitan's 
 (`plan.pp.autocast`, `checkpoint_every`, `compile`; execution/stage_forward.py). What those
 passes offer on the graphs only is refused by name: bf16[keep_fp32=...] other than the
 default (torch.autocast's own op lists decide), ac[policy=selective|budget],
-compile[scope=whole]; compile's options are checked as compile_regions checks them.
+compile[scope=whole], and compile with schedule=zero-bubble (its split backward); compile's
+options are checked as compile_regions checks them.
 
 Refused before anything runs, naming the value: a degree that is not the world (pp alone) or
 does not divide it (fsdp+pp), fewer blocks than stages, no repeated blocks, a microbatch count
@@ -69,6 +70,9 @@ _SCHEMA = PARTS["pp"].options
 #: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them):
 #: torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble.
 LOOPED = ("interleaved-1f1b", "zero-bubble")
+#: Schedules that split each backward into input and weight gradients (torch refuses them for
+#: compiled stage modules).
+SPLIT_BACKWARD = ("zero-bubble",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +166,12 @@ class SplitStages(Pass):
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
         autocast, checkpoint_every, compile_kwargs = _inside_stages(program)
+        if compile_kwargs and options.schedule in SPLIT_BACKWARD:
+            raise TargetNotSupportedError(
+                f"{where}: schedule={options.schedule} splits each backward into the input's "
+                "and the weights' gradients, which torch's schedules do not do for compiled "
+                "stages; drop compile or use schedule=interleaved-1f1b"
+            )
         stages, inside = best_stages(program, blocks, count, size, options.cuts)
         plan = program.plan.pp = PpPlan(
             size=size,

@@ -741,6 +741,10 @@ def test_pp_combines_with_fsdp_bf16_ac_and_compile_only_so_far():
         retarget.compile_for(
             llama(), "compile[scope=whole]+pp", example_inputs=batch(), world_size=2
         )
+    with pytest.raises(TargetNotSupportedError, match="schedule=zero-bubble splits each backward"):
+        retarget.compile_for(
+            llama(), "pp[schedule=zero-bubble]+compile", example_inputs=batch(), world_size=2
+        )
     with pytest.raises(ValueError, match="backend='nope' is not a registered"):
         retarget.compile_for(
             llama(), "compile[backend=nope]+pp", example_inputs=batch(), world_size=2
