@@ -6,7 +6,11 @@ Run: RETARGET_BENCH_ROUNDS=9 python -m pytest bench/test_quant.py --benchmark-on
 Step time: one AdamW step (forward, loss, backward, step, zero_grad) of a Llama-style model
 compiled by `compile_for`, the arms interleaved in every round; ratios of medians against full
 fine-tuning in float32 measured in the same run. Memory: the bytes the training state holds
-after a step (parameters, gradients, optimizer state), counted from the tensors. On this CPU
+after a step (parameters, gradients, optimizer state), counted from the tensors; and the bytes
+autograd saves for backward in one forward beyond the model's own tensors (activations, and
+any dequantized copy of a quantized weight a matmul would keep: none since the quantized
+matmuls save the packed weight). Arms: full fine-tuning, bf16 LoRA, quant[bits=4] LoRA (ours,
+float32 and bf16) and quant[bits=4,backend=torchao] LoRA (torchao's NF4Tensor). On this CPU
 the 4-bit arm dequantizes each weight at every call (no fused 4-bit kernel), so it is expected
 to be slower than the others here; the figure is its cost on CPU, not GPU speed.
 
@@ -42,6 +46,7 @@ ARMS = {
     "bf16 LoRA": (True, "bf16"),
     "quant[bits=4] LoRA": (True, "quant[bits=4]"),
     "bf16+quant[bits=4] LoRA": (True, "bf16+quant[bits=4]"),
+    "quant[bits=4,backend=torchao] LoRA": (True, "quant[bits=4,backend=torchao]"),
 }
 RESULTS_FILE = results_file("quant.json")
 HERE = Path(__file__).resolve().parent
@@ -53,6 +58,24 @@ def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     for state in optimizer.state.values():
         tensors.update({id(v): v for v in state.values() if isinstance(v, torch.Tensor)})
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _saved_bytes(compiled: torch.nn.Module, inputs: dict) -> int:
+    """Bytes autograd saves for backward in one training forward, beyond the model's own
+    tensors (a saved parameter costs nothing new; a dequantized copy of a weight does)."""
+    own = {t.untyped_storage().data_ptr() for t in [*compiled.parameters(), *compiled.buffers()]}
+    total = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) is not torch.Tensor or tensor.untyped_storage().data_ptr() not in own:
+            total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = compiled(**inputs).loss
+    loss.backward()
+    compiled.zero_grad(set_to_none=False)
+    return total[0]
 
 
 def trainer(lora: bool, target: str):
@@ -72,7 +95,11 @@ def trainer(lora: bool, target: str):
         optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: counted as memory
 
     one_step()  # first call: optimizer moments
-    return one_step, lambda: _state_bytes(compiled, optimizer)
+    return (
+        one_step,
+        lambda: _state_bytes(compiled, optimizer),
+        lambda: _saved_bytes(compiled, inputs),
+    )
 
 
 def test_qlora_step_time_and_memory(benchmark) -> None:
@@ -82,6 +109,7 @@ def test_qlora_step_time_and_memory(benchmark) -> None:
         benchmark, {n: b[0] for n, b in built.items()}, rounds=ROUNDS, threads=THREADS
     )
     memory = {name: b[1]() for name, b in built.items()}
+    saved = {name: b[2]() for name, b in built.items()}
     base = "full fine-tuning"
     info = {
         "model": f"Llama h{HIDDEN} i{INTERMEDIATE} {LAYERS} layers, batch {BATCH} seq {SEQ}, "
@@ -92,6 +120,8 @@ def test_qlora_step_time_and_memory(benchmark) -> None:
         "step_time_ratios": {f"{n} / {base}": round(median[n] / median[base], 2) for n in ARMS},
         "state_bytes": memory,
         "memory_ratios": {f"{n} / {base}": round(memory[n] / memory[base], 3) for n in ARMS},
+        "saved_for_backward_bytes": saved,
+        "saved_ratios": {f"{n} / {base}": round(saved[n] / saved[base], 3) for n in ARMS},
         **source_revision(),
     }
     benchmark.extra_info.update(info)

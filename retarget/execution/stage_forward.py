@@ -42,10 +42,8 @@ from retarget.core.plans import PpPlan
 TRACED_PREFIX = "model."
 
 
-def run_stage_forward(stage_module: nn.Module, plan: PpPlan, device_type: str) -> list[str]:
-    """Set `stage_module` (one of torch's stage modules) to run as `plan` says; the paths of
-    the blocks in it whose forward is recomputed in backward."""
-    recomputed = []
+def run_stage_forward(stage_module: nn.Module, plan: PpPlan, device_type: str) -> None:
+    """Set `stage_module` (one of torch's stage modules) to run as `plan` says."""
     blocks = list(dict.fromkeys(block for stage in plan.stages for block in stage.blocks))
     for index, block in enumerate(blocks):
         try:
@@ -54,12 +52,10 @@ def run_stage_forward(stage_module: nn.Module, plan: PpPlan, device_type: str) -
             continue  # another stage's block
         if plan.checkpoint_every and (index + 1) % plan.checkpoint_every == 0:
             _recompute_in_backward(module)
-            recomputed.append(block)
         if plan.compile:
             module.forward = torch.compile(module.forward, **plan.compile)
     if plan.autocast:
         _autocast(stage_module, getattr(torch, plan.autocast), device_type)
-    return recomputed
 
 
 def _recompute_in_backward(module: nn.Module) -> None:
