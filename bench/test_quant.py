@@ -53,22 +53,32 @@ HERE = Path(__file__).resolve().parent
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state (a tensor subclass's, such as
+    torchao's NF4Tensor: its inner tensors', not its logical float size)."""
+    from retarget.execution.apply_plan import tensor_parts
+
     tensors = {id(p): p for p in model.parameters()}
     tensors.update({id(p.grad): p.grad for p in model.parameters() if p.grad is not None})
     for state in optimizer.state.values():
         tensors.update({id(v): v for v in state.values() if isinstance(v, torch.Tensor)})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    parts = [part for t in tensors.values() for part in tensor_parts(t)]
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def _saved_bytes(compiled: torch.nn.Module, inputs: dict) -> int:
     """Bytes autograd saves for backward in one training forward, beyond the model's own
     tensors (a saved parameter costs nothing new; a dequantized copy of a weight does)."""
-    own = {t.untyped_storage().data_ptr() for t in [*compiled.parameters(), *compiled.buffers()]}
+    from retarget.execution.apply_plan import tensor_parts
+
+    def storages(tensor: torch.Tensor) -> set[int]:
+        return {part.untyped_storage().data_ptr() for part in tensor_parts(tensor)}
+
+    own = set().union(*(storages(t) for t in [*compiled.parameters(), *compiled.buffers()]))
     total = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if type(tensor) is not torch.Tensor or tensor.untyped_storage().data_ptr() not in own:
-            total[0] += tensor.numel() * tensor.element_size()
+        if not storages(tensor) <= own:
+            total[0] += sum(p.numel() * p.element_size() for p in tensor_parts(tensor))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

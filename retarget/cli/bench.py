@@ -157,7 +157,11 @@ def _quant_rows(d: dict) -> list[Row]:
     for name, ratio in step.get("step_time_ratios", {}).items():
         if not name.startswith("full fine-tuning"):
             memory = step["memory_ratios"][name]
-            rows.append(("quantized fine-tuning", name, f"step {ratio:.2f}x, memory {memory:.3f}x"))
+            value = f"step {ratio:.2f}x, memory {memory:.3f}x"
+            saved = step.get("saved_ratios", {}).get(name)
+            if saved is not None:
+                value += f", saved for backward {saved:.2f}x"
+            rows.append(("quantized fine-tuning", name, value))
     load = d.get("load", {})
     for name, ratio in load.get("peak_added / loaded model bytes", {}).items():
         rows.append(("quantized loading", f"peak RSS added / model bytes, {name}", f"{ratio:.2f}x"))
@@ -229,14 +233,16 @@ def _pp_rows(d: dict) -> list[Row]:
             rows.append(
                 (group, f"stage imbalance, 4 stages, {layers} layers ({label})", f"{ratio:.2f}")
             )
-    time = d.get("time", {})
-    for schedule, ratio in time.get("step / one process", {}).items():
-        ideal = time.get("ideal step / one process")
-        if isinstance(ideal, dict):  # per schedule since the looped schedules (K stages/rank)
-            ideal = ideal.get(schedule)
-        rows.append(
-            (group, f"{schedule} step / one process, 2 ranks (ideal {ideal})", f"{ratio:.2f}x")
-        )
+    # "time, N ranks" per rank count (older files: "time", 2 ranks)
+    timings = {k: v for k, v in d.items() if k == "time" or k.startswith("time, ")}
+    for timing in timings.values():
+        ranks = timing.get("ranks", 2)
+        for schedule, ratio in timing.get("step / one process", {}).items():
+            ideal = timing.get("ideal step / one process")
+            if isinstance(ideal, dict):  # per schedule since the looped schedules
+                ideal = ideal.get(schedule)
+            label = f"{schedule} step / one process, {ranks} ranks (ideal {ideal})"
+            rows.append((group, label, f"{ratio:.2f}x"))
     return rows
 
 

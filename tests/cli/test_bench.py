@@ -267,3 +267,25 @@ def test_pp_rows_read_the_pipeline_suites_figures():
     }
     rows = bench.SUITES["pp"].rows(figures)
     assert (group, "interleaved-1f1b step / one process, 2 ranks (ideal 0.531)", "1.70x") in rows
+    # Since the 4-rank arm, one entry per rank count.
+    del figures["time"]
+    figures["time, 2 ranks"] = {"ranks": 2, "step / one process": {"gpipe": 1.3},
+                                "ideal step / one process": {"gpipe": 0.562}}  # fmt: skip
+    figures["time, 4 ranks"] = {"ranks": 4, "step / one process": {"gpipe": 1.25},
+                                "ideal step / one process": {"gpipe": 0.344}}  # fmt: skip
+    rows = bench.SUITES["pp"].rows(figures)
+    assert (group, "gpipe step / one process, 2 ranks (ideal 0.562)", "1.30x") in rows
+    assert (group, "gpipe step / one process, 4 ranks (ideal 0.344)", "1.25x") in rows
+
+
+def test_quant_rows_show_the_bytes_saved_for_backward_when_measured():
+    step = {
+        "step_time_ratios": {"full fine-tuning / full fine-tuning": 1.0, "quant LoRA / full": 1.1},
+        "memory_ratios": {"full fine-tuning / full fine-tuning": 1.0, "quant LoRA / full": 0.1},
+    }
+    rows = bench.SUITES["quant"].rows({"step": step})
+    assert ("quantized fine-tuning", "quant LoRA / full", "step 1.10x, memory 0.100x") in rows
+    step["saved_ratios"] = {"quant LoRA / full": 0.9}
+    rows = bench.SUITES["quant"].rows({"step": step})
+    value = "step 1.10x, memory 0.100x, saved for backward 0.90x"
+    assert ("quantized fine-tuning", "quant LoRA / full", value) in rows
