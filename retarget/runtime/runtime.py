@@ -132,7 +132,8 @@ class Runtime(ProcessStateFacade):
 
     def shard(self, loader: DataLoader, **options: Any) -> Any:
         """This rank's share of `loader` (options of runtime.data.shard_dataloader); under
-        `xla` its batches are uploaded by torch_xla's ParallelLoader (runtime.data.xla_feed)."""
+        `xla` its batches are uploaded by torch_xla's ParallelLoader (runtime.data.xla_feed);
+        under pp checked against the stages' batch rows (runtime.data.pipeline_batches)."""
         from retarget.runtime.data import sharded_loader as data
 
         if self.applied is None:
@@ -142,6 +143,10 @@ class Runtime(ProcessStateFacade):
             view = self.applied.data_state()
             sharded = data.shard_dataloader(loader, view, agree=self.state, **options)
         sharded.feed = feed_for(self.program.target)
+        if self.program.plan.pp is not None:
+            from retarget.runtime.data.pipeline_batches import fit_to_pipeline
+
+            fit_to_pipeline(sharded, self.program.plan.pp)
         return sharded
 
     def gather(self, data: Any) -> Any:

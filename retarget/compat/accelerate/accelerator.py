@@ -68,6 +68,7 @@ from retarget.execution.process import (
 from retarget.execution.rank0_loading import asks_rank0_loading, transformers_environment
 from retarget.execution.xla_placement import xla_device_for
 from retarget.runtime.data import sharded_loader as data
+from retarget.runtime.data.pipeline_batches import fit_to_pipeline
 from retarget.runtime.data.xla_feed import feed_for
 from retarget.runtime.runtime import prepare_in_order
 from retarget.runtime.state import checkpoint
@@ -258,6 +259,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
         view = self._data_state()
         sharded = data.shard_dataloader(loader, view, agree=self.state, **self.shard_options)
         sharded.feed = feed_for(self.target)  # xla: uploaded by torch_xla's ParallelLoader
+        pipelines = [m.program.plan.pp for m in self._models if m.program.plan.pp is not None]
+        if pipelines:  # pp: batches of the stages' traced rows only
+            fit_to_pipeline(sharded, pipelines[0])
         self._dataloaders.append(sharded)
         return sharded
 

@@ -152,6 +152,9 @@ class ShardedDataLoader:
         self._even = options.even_batches and state.distributed
         self._dispatch = options.dispatch_batches and state.distributed
         self._loader_batch = batch_size_of(loader)
+        #: The last incomplete batch of an epoch is dropped: the loader's drop_last, or
+        #: `drop_incomplete_batches()` (pp, whose stages run one batch size only).
+        self.drop_last = drops_last(loader)
         split = options.split_batches
         self.batch_size: int | None = None
         self.total_batch_size: int | None = None
@@ -171,6 +174,12 @@ class ShardedDataLoader:
         self._draws: EpochDraws | None = None
         if options.order != "seeded" and not self._iterable:
             self._draws = options.order(loader, state, dispatch=self._dispatch)
+
+    def drop_incomplete_batches(self) -> None:
+        """Drop an epoch's last batch when it is short, from the next iteration on (as the
+        loader's drop_last=True would)."""
+        self.drop_last = True
+        self._deal_cache = None
 
     def set_even_batches(self, even_batches: bool) -> None:
         """Change `even_batches` from the next iteration on (join_uneven_inputs' override)."""
@@ -192,6 +201,7 @@ class ShardedDataLoader:
         )
         skipped.set_epoch(self.epoch)
         skipped._draws, skipped.feed = self._draws, self.feed
+        skipped.drop_last = self.drop_last
         skipped._skip = num_batches
         return skipped
 
@@ -286,12 +296,15 @@ class ShardedDataLoader:
         return self._deal_cache[1]
 
     def _deal_batches(self, batches: list[list[int]]) -> Deal:
+        if self.drop_last and self._loader_batch is not None:
+            # drop_incomplete_batches() on a loader that keeps its short last batch
+            batches = [batch for batch in batches if len(batch) >= self._loader_batch]
         if self._draws is not None and self._dispatch:
             return self._draws.deal_dispatched(
                 batches,
                 world=self.state.world_size,
                 split_batches=self.options.split_batches,
-                drop_last=drops_last(self.base_loader),
+                drop_last=self.drop_last,
             )
         return deal_rounds(
             batches,
@@ -299,7 +312,7 @@ class ShardedDataLoader:
             batch_size=self._loader_batch,
             split_batches=self.options.split_batches,
             even_batches=self._even,
-            drop_last=drops_last(self.base_loader),
+            drop_last=self.drop_last,
         )
 
     def _epoch_length(self) -> int:
@@ -307,7 +320,7 @@ class ShardedDataLoader:
             return len(self._deal(self.epoch).parts_of(self.state.rank))
         items = len(self.dataset)  # a stream without a length raises TypeError, as DataLoader
         full, part = divmod(items, self._per_rank * self.state.world_size)
-        if part and not drops_last(self.base_loader):
+        if part and not self.drop_last:
             full += int(self._even or part > self.state.rank * self._per_rank)
         return full
 
@@ -329,7 +342,7 @@ class ShardedDataLoader:
             rank=rank,
             per_rank=self._per_rank,
             even_batches=self._even,
-            drop_last=drops_last(self.base_loader),
+            drop_last=self.drop_last,
             seed=(self.seed + epoch) % 2**62,
             skip_rounds=skip,
         )
@@ -343,7 +356,7 @@ class ShardedDataLoader:
 
     def _stream_counts(self, shard: IterableShard) -> tuple[int, int]:
         """(remainder, duplicates) of a stream's last round, once the stream is read."""
-        size, drop = self._per_rank * self.state.world_size, drops_last(self.base_loader)
+        size, drop = self._per_rank * self.state.world_size, self.drop_last
         items = self.total_dataset_length
         if self.base_loader.num_workers == 0:
             real = shard.last_round_real  # the workers' copies of the shard are out of reach

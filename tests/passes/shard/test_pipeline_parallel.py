@@ -726,6 +726,27 @@ def test_refusals_name_the_value(build, target, world, message):
         retarget.compile_for(build(), target, example_inputs=batch(), world_size=world)
 
 
+def test_a_prepared_loader_gives_the_rows_the_stages_were_traced_for():
+    """The stages run one batch size: a loader of another is refused when it is prepared (not
+    at the step that would fail), and an epoch's short last batch is dropped, with a warning
+    saying how many samples each epoch leaves out."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    compiled = retarget.compile_for(llama(), "pp", example_inputs=batch(), world_size=2)
+    ids = torch.randint(1, zoo.VOCAB, (10, SEQ), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match=r"incomplete batch of each epoch \(2 samples\)"):
+        loader = compiled.runtime.prepare(DataLoader(TensorDataset(ids), batch_size=ROWS))
+    assert [len(rows) for (rows,) in loader] == [ROWS, ROWS] and len(loader) == 2
+    with pytest.raises(ValueError, match=r"traced for batches of 4 rows .* gives 8 rows"):
+        compiled.runtime.prepare(DataLoader(TensorDataset(ids), batch_size=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a multiple of the batch: nothing to drop, no warning
+        loader = compiled.runtime.prepare(DataLoader(TensorDataset(ids[:8]), batch_size=ROWS))
+    assert [len(rows) for (rows,) in loader] == [ROWS, ROWS]
+
+
 def test_interleaved_microbatches_must_fill_its_rounds():
     target = "pp[schedule=interleaved-1f1b,microbatches=5]"
     with pytest.raises(TargetNotSupportedError, match=r"microbatches=5 makes 2 rounds .* of 2"):
