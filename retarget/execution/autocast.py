@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from retarget.core.modules import original_class
 from retarget.execution.module_call import retarget_module
 
 
@@ -41,6 +42,12 @@ class LowPrecision:
         on CPU)."""
         if not (module.training or self.autocast_eval):
             return forward(*args, **kwargs)
+        if _plain_linear_call(module, forward, args, kwargs):
+            # what torch.autocast's linear computes, without keeping the weight's low-precision
+            # cast from forward to backward (cast_weight_linear)
+            bias = None if module.bias is None else module.bias.to(self.dtype)
+            out = cast_weight_linear(args[0].to(self.dtype), module.weight, bias, self.dtype)
+            return out if as_inputs else self._to_float32(out)
         with torch.autocast(_device_type(module, args, kwargs), dtype=self.dtype):
             out = forward(*args, **kwargs)
         if as_inputs and self._all_low_precision((args, kwargs)):
@@ -75,9 +82,58 @@ class LowPrecision:
         return wrap
 
 
+def _plain_linear_call(module: nn.Module, forward: Any, args: tuple, kwargs: dict) -> bool:
+    """A plain nn.Linear's own forward on one float32 tensor (nothing wrapped around it)."""
+    own = getattr(forward, "__func__", None) is nn.Linear.forward
+    single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+    plain = original_class(module) is nn.Linear
+    return plain and own and single and args[0].dtype == torch.float32
+
+
 def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device.type
     parameter = next(module.parameters(), None)
     return "cpu" if parameter is None else parameter.device.type
+
+
+class CastWeightLinear(torch.autograd.Function):
+    """F.linear(x, weight.to(dtype), bias) saving `weight` itself for backward, not its cast:
+    the graph form's cast of a float32 parameter to bf16/fp16 is a new tensor, which a plain
+    linear would keep from forward to backward (a low-precision copy of every weight for the
+    step; of the frozen base weights under LoRA, the whole model's size). The cast is redone in
+    backward. Outputs and gradients are those of the cast followed by F.linear."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        # x only when the weight trains (its gradient needs x), as autograd's matmul saves it
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        return torch.nn.functional.linear(x, weight.to(dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.to(ctx.dtype)
+        if ctx.needs_input_grad[1] and x is not None:
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_weight = (rows.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def cast_weight_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The graph form's call of CastWeightLinear (an fx graph calls functions, not .apply)."""
+    return CastWeightLinear.apply(x, weight, bias, dtype)

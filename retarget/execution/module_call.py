@@ -48,9 +48,11 @@ class RetargetedModule(nn.Module):
 def call_as_recorded(module: nn.Module, record: ModuleRecord, args: tuple, kwargs: dict) -> Any:
     """The call inside the checkpoint: autocast, then the region's graph, then own forward."""
     if record.autocast is not None and not capturing():
-        return record.autocast.call(
-            module, lambda *a, **k: _region_or_own(module, record, a, k), args, kwargs
-        )
+        if record.region is None:  # the module's own forward itself (a glue leaf)
+            forward = super(RetargetedModule, module).forward
+        else:
+            forward = lambda *a, **k: _region_or_own(module, record, a, k)  # noqa: E731
+        return record.autocast.call(module, forward, args, kwargs)
     return _region_or_own(module, record, args, kwargs)
 
 

@@ -26,7 +26,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from retarget.core.modules import original_class
-from retarget.execution.autocast import LowPrecision
+from retarget.execution.autocast import LowPrecision, cast_weight_linear
 from retarget.passes.precision import autocast_rules as rules
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,6 +51,9 @@ class GraphOptions(Protocol):
 
     @property
     def autocast_eval(self) -> bool: ...
+
+    @property
+    def recast_weights(self) -> bool: ...
 
 
 def plan_graph(
@@ -93,7 +96,32 @@ def rewrite_graph(
     summary = plan_graph(gm, options, modules)
     rewriter = _GraphRewriter(gm, options, modules)
     rewriter.run()
-    gm.meta["autocast"] = {**summary, "casts": rewriter.casts, "saturated": rewriter.saturated}
+    recast = recast_weights_in_backward(gm.graph) if options.recast_weights else 0
+    gm.meta["autocast"] = {
+        **summary, "casts": rewriter.casts, "saturated": rewriter.saturated, "recast": recast
+    }  # fmt: skip
+
+
+def recast_weights_in_backward(graph: fx.Graph) -> int:
+    """Each `linear(x, to(<parameter>, low), bias)` becomes `cast_weight_linear(x, parameter,
+    bias, low)`, which saves the float32 parameter for backward rather than its low-precision
+    cast (a new tensor: kept, it would hold a bf16 copy of every weight from forward to
+    backward) and casts again there; how many were rewritten."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or rules.op_name(node) != "linear" or node.kwargs:
+            continue
+        x, weight, *rest = node.args
+        cast = isinstance(weight, fx.Node) and weight.target is torch.ops.aten.to.dtype
+        if not cast or weight.args[0].op != "get_attr" or len(weight.args) != 2:
+            continue
+        parameter, dtype = weight.args
+        node.target = cast_weight_linear
+        node.args = (x, parameter, rest[0] if rest else None, dtype)
+        if not weight.users:
+            graph.erase_node(weight)
+        count += 1
+    return count
 
 
 class _GraphRewriter:

@@ -13,6 +13,10 @@ Three forms, one per kind of code, so that every part of the model honours the t
   their inputs cast back to float32. Values leaving the region are cast back to the dtype eager
   gives (float32), so no fp32 op after the region sees a bf16 tensor. Weights stay float32
   parameters: the casts are graph nodes, so autograd hands float32 gradients to the parameters.
+  A Linear's weight cast goes inside `cast_weight_linear` (execution/autocast.py), which saves
+  the float32 parameter for backward and casts again there: a cast node's output, saved by the
+  matmul, would keep a bf16 copy of every weight from forward to backward (under LoRA, of the
+  whole frozen model). Not under tp or selective/budget ac (`recast_weights`).
   The rewrite is a region transform: later captures (a new batch size, eval mode) get it too.
   The casts are `aten.to.dtype` nodes; casts that are provably no-ops are not inserted, and
   export's `_assert_tensor_metadata` checks on values whose dtype changed are dropped.
@@ -22,7 +26,8 @@ Three forms, one per kind of code, so that every part of the model honours the t
   torch.autocast's own per-device lists (on CPU softmax is not among them): the report says so.
 - Glue (leaf modules outside every region: lm_head, a classifier head, a stem conv): each
   Linear/Conv leaf (autocast_rules.LOWER_MODULES) runs its forward under torch.autocast with its
-  outputs cast to float32; every other glue op (embeddings, final norm, the loss) stays float32.
+  outputs cast to float32 (a plain Linear through cast_weight_linear: autocast's numbers, no
+  bf16 weight copy kept); every other glue op (embeddings, final norm, the loss) stays float32.
   Wrapping leaves rather than the root forward keeps region calls out of any ambient autocast:
   their inputs keep the dtype they were captured with, so no signature changes and no region
   runs two precision policies at once. Matmuls written inline in a glue forward stay float32.
@@ -82,6 +87,11 @@ class AutocastOptions:
     """Scale multiplier after a step with inf/nan gradients (that step is skipped)."""
     growth_interval: int = 2000
     """Steps without inf/nan gradients before the scale grows."""
+    recast_weights: bool = True
+    """Graph form: a Linear's float32 weight is cast inside `cast_weight_linear`, again in
+    backward, rather than kept as a low-precision copy from forward to backward. Off under tp
+    (its split weights are DTensors, whose gradients torch's own linear computes) and under
+    selective or budget ac (their scoped graphs take aten calls only)."""
 
     def __post_init__(self):
         if self.dtype not in LOW_DTYPES:
@@ -134,7 +144,11 @@ class InsertAutocast(Pass):
             return []
         part = target.get(name)
         keys = ("keep_fp32", "autocast_eval", *(SCALER_OPTIONS if name == "fp16" else ()))
-        return [cls(AutocastOptions(dtype=name, **{key: part.get(key) for key in keys}))]
+        options = {key: part.get(key) for key in keys}
+        ac = target.get("ac")
+        selective = ac is not None and ac.get("policy") != "full"
+        recast = "tp" not in target and not selective
+        return [cls(AutocastOptions(dtype=name, recast_weights=recast, **options))]
 
     def run(self, program: Program) -> PassResult:
         policy = LowPrecision(self.options.torch_dtype, self.options.autocast_eval)
@@ -196,6 +210,8 @@ class InsertAutocast(Pass):
         graph = region.representative()
         if graph is not None:
             entry["casts"] = graph.gm.meta["autocast"]["casts"]
+            # Linears whose weight is cast in cast_weight_linear (none kept for backward)
+            entry["recast"] = graph.gm.meta["autocast"].get("recast", 0)
 
 
 def _region_note(name: str, entry: dict[str, Any], dtype: str) -> str:

@@ -30,11 +30,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from retarget.execution.autocast import cast_weight_linear
 from retarget.passes.shard.tp_layout import CASTS, Break, Sharded, Tracked, tensor_shape
 from retarget.passes.shard.tp_layout_rules import layout_rule
 
 #: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight.
-LINEAR_FUNCTIONS = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
+LINEAR_FUNCTIONS = (
+    torch.ops.aten.linear.default,
+    torch._C._nn.linear,
+    torch.nn.functional.linear,
+    cast_weight_linear,  # insert_autocast's graph form: (x, the float32 weight, bias, dtype)
+)
 #: `addmm(b, x, W)` with W of shape (in, out): HF's Conv1D (GPT-2).
 ADDMM = torch.ops.aten.addmm.default
 MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.mm.default)
