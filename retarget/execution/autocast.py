@@ -101,9 +101,10 @@ def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
 class CastWeightLinear(torch.autograd.Function):
     """F.linear(x, weight.to(dtype), bias) saving `weight` itself for backward, not its cast:
     the graph form's cast of a float32 parameter to bf16/fp16 is a new tensor, which a plain
-    linear would keep from forward to backward (a low-precision copy of every weight for the
-    step; of the frozen base weights under LoRA, the whole model's size). The cast is redone in
-    backward. Outputs and gradients are those of the cast followed by F.linear."""
+    linear would keep from forward to backward (a low-precision copy of every frozen weight for
+    the step: under LoRA, the whole model's size). The cast is redone in backward. Outputs and
+    gradients are those of the cast followed by F.linear (cast_weight_linear sends it frozen
+    weights only, but it computes a weight's gradient too)."""
 
     @staticmethod
     def forward(
@@ -135,5 +136,11 @@ class CastWeightLinear(torch.autograd.Function):
 def cast_weight_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The graph form's call of CastWeightLinear (an fx graph calls functions, not .apply)."""
+    """F.linear(x, weight.to(dtype), bias). A frozen weight goes through CastWeightLinear (its
+    bf16 copy is not kept for backward: LoRA's frozen base would cost the model's size); a
+    trainable one through autograd as usual, which keeps the copy rather than cast it twice (the
+    cast again in backward cost 5% of a bf16 step on CPU; a trained weight's gradient needs the
+    input saved anyway)."""
+    if weight.requires_grad:
+        return torch.nn.functional.linear(x, weight.to(dtype), bias)
     return CastWeightLinear.apply(x, weight, bias, dtype)

@@ -13,10 +13,11 @@ Three forms, one per kind of code, so that every part of the model honours the t
   their inputs cast back to float32. Values leaving the region are cast back to the dtype eager
   gives (float32), so no fp32 op after the region sees a bf16 tensor. Weights stay float32
   parameters: the casts are graph nodes, so autograd hands float32 gradients to the parameters.
-  A Linear's weight cast goes inside `cast_weight_linear` (execution/autocast.py), which saves
-  the float32 parameter for backward and casts again there: a cast node's output, saved by the
-  matmul, would keep a bf16 copy of every weight from forward to backward (under LoRA, of the
-  whole frozen model). Not under tp or selective/budget ac (`recast_weights`).
+  A Linear's weight cast goes inside `cast_weight_linear` (execution/autocast.py), which for a
+  frozen weight saves the float32 parameter for backward and casts again there: a cast node's
+  output, saved by the matmul, would keep a bf16 copy of every frozen weight from forward to
+  backward (under LoRA, the whole model). Not under tp or selective/budget ac
+  (`recast_weights`).
   The rewrite is a region transform: later captures (a new batch size, eval mode) get it too.
   The casts are `aten.to.dtype` nodes; casts that are provably no-ops are not inserted, and
   export's `_assert_tensor_metadata` checks on values whose dtype changed are dropped.
