@@ -235,7 +235,9 @@ def test_profiling_leaves_no_forward_alive():
     before = _graph_tensors()
     compiled = retarget.compile_for(_deep_model(), "ac", example_inputs=batch)
     assert compiled.program.analysis.activation_profile is not None  # the profile ran
-    assert _graph_tensors() == before
+    # Nothing of the profile's forward is left; earlier tests' graphs in the same process may
+    # be freed meanwhile (the full suite once had one fewer afterwards), never more.
+    assert _graph_tensors() <= before
 
 
 # -- structure -----------------------------------------------------------------------------------
