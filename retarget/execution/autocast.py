@@ -103,8 +103,8 @@ class CastWeightLinear(torch.autograd.Function):
     the graph form's cast of a float32 parameter to bf16/fp16 is a new tensor, which a plain
     linear would keep from forward to backward (a low-precision copy of every frozen weight for
     the step: under LoRA, the whole model's size). The cast is redone in backward. Outputs and
-    gradients are those of the cast followed by F.linear (cast_weight_linear sends it frozen
-    weights only, but it computes a weight's gradient too)."""
+    the input's and bias's gradients are those of the cast followed by F.linear; the weight
+    gets none (cast_weight_linear sends frozen weights only)."""
 
     @staticmethod
     def forward(
@@ -114,23 +114,19 @@ class CastWeightLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        # x only when the weight trains (its gradient needs x), as autograd's matmul saves it
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.save_for_backward(weight)
         ctx.dtype, ctx.has_bias = dtype, bias is not None
         return torch.nn.functional.linear(x, weight.to(dtype), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = grad @ weight.to(ctx.dtype)
-        if ctx.needs_input_grad[1] and x is not None:
-            rows = grad.reshape(-1, grad.shape[-1])
-            grad_weight = (rows.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, None, grad_bias, None
 
 
 def cast_weight_linear(
