@@ -286,6 +286,10 @@ class TpPlan:
     fused: Mapping[str, int] = field(default_factory=dict)
     """Module path -> parts fused along its sharded dim (3 for GPT-2's c_attn q|k|v): each part
     is split on its own, so every rank holds its slice of q, of k and of v."""
+    fused_widths: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Module path -> the widths of fused parts of unequal sizes along its sharded dim (Phi3's
+    q|k|v under GQA), each split on its own: rank r holds [q_r|k_r|v_r], stored as rank r's
+    block of a parameter whose rows are in rank order (core.tp_split_dims.RowOrder)."""
     sequence_parallel: bool = False
     """The residual stream between blocks is split on the sequence dim (rules' `sequence`)."""
     loss_parallel: bool = False

@@ -11,12 +11,20 @@ Kinds of module a style can split:
 
     >>> split_dims("conv1d", "colwise")
     {'weight': 1, 'bias': 0}
+
+A parameter whose split dim holds fused parts of unequal widths (Phi3's q|k|v under GQA) is
+stored with its rows in rank order (`RowOrder`): rank r's block of the stored tensor is
+[q_r|k_r|v_r], so an even Shard of it gives each rank its slice of every part.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 #: kind -> style -> {parameter name: dim it is split on, None: kept whole on every rank}.
@@ -71,3 +79,53 @@ def local_numel(shape: tuple[int, ...], dim: int | None, size: int) -> int:
     if dim is None:
         return math.prod(shape)
     return math.prod(shape) // size
+
+
+def get_width(module: nn.Module, name: str) -> Any:
+    """An attribute a tp plan sets per rank: NAME, or "config.NAME" on the module's config."""
+    holder, _, attribute = name.partition(".")
+    return getattr(getattr(module, holder), attribute) if attribute else getattr(module, name)
+
+
+def set_width(module: nn.Module, name: str, value: int) -> None:
+    """Set NAME on `module`; "config.NAME" on a copy of its config that the module then holds
+    alone (the model's config, which other modules and the user read, keeps the whole value)."""
+    holder, _, attribute = name.partition(".")
+    if not attribute:
+        setattr(module, name, value)
+        return
+    own = copy.copy(getattr(module, holder))
+    setattr(own, attribute, value)
+    setattr(module, holder, own)
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """Where the rows of a tp-split parameter with fused parts of unequal `widths` (summing to
+    its size on `dim`) are stored: rank by rank, each rank's slice of every part in turn.
+
+        >>> RowOrder(0, (4, 2, 2), 2).stored_rows().tolist()
+        [0, 1, 4, 6, 2, 3, 5, 7]
+    """
+
+    dim: int
+    widths: tuple[int, ...]
+    size: int
+
+    def stored_rows(self) -> torch.Tensor:
+        """For each stored row, the row of the model's tensor it holds."""
+        rows: list[int] = []
+        for rank in range(self.size):
+            offset = 0
+            for width in self.widths:
+                share = width // self.size
+                rows.extend(range(offset + rank * share, offset + (rank + 1) * share))
+                offset += width
+        return torch.tensor(rows, dtype=torch.long)
+
+    def to_stored(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.index_select(self.dim, self.stored_rows().to(tensor.device))
+
+    def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(self.stored_rows()).to(tensor.device)
+        return tensor.index_select(self.dim, order)

@@ -15,7 +15,12 @@ Styles (core.plans.TP_STYLES) and what realises each:
   that only change how the parameters are distributed (the dims come from core.tp_split_dims). A
   fused weight is distributed as `_StridedShard(dim, split_factor=parts)`: each rank holds its
   slice of every part, and the DTensor still describes the original [q|k|v] tensor, so
-  `full_tensor()`, state_dict and DCP see the unfused-order weight;
+  `full_tensor()`, state_dict and DCP see the unfused-order weight. Fused parts of unequal
+  widths (`plan.fused_widths`, Phi3's q|k|v under GQA) have no DTensor placement: the weight
+  is stored with its rows in rank order (core.tp_split_dims.RowOrder) and split evenly, so
+  rank r holds [q_r|k_r|v_r]; hooks on the module give state_dict (and so DCP, save_model)
+  the model's order whole, and take it back on load. `full_tensor()` of the parameter and of
+  its gradient is in rank order (`in_model_order` turns it back);
 - sequence_parallel: torch's SequenceParallel (a norm on sequence slices; DTensor out);
   replicate: nothing, or at a sequence boundary PrepareModuleInput (a replicated LM head
   gathers the sequence) / PrepareModuleOutput (a replicated embedding's output is split on it);
@@ -51,8 +56,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from retarget.core.plans import TpPlan, TpRule
 from retarget.core.slots import OUTER_FORWARD
-from retarget.core.tp_split_dims import module_kind, split_dims
+from retarget.core.tp_split_dims import RowOrder, module_kind, set_width, split_dims
 from retarget.execution.module_call import own_forward
+from retarget.execution.tp_row_order import keep_model_order
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 
@@ -68,7 +74,7 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         if rule.style == "replicate_grad_allreduce":
             all_reduce_gradients(target, mesh.get_group())
             continue
-        style = style_for(rule, target, plan.fused.get(path, 1))
+        style = style_for(rule, target, plan.fused.get(path, 1), plan.fused_widths.get(path))
         if style is None:
             continue
         parallelize_module(target, mesh, style)
@@ -85,7 +91,7 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
             continue
         target = module.get_submodule(path)
         for attribute, value in values.items():
-            setattr(target, attribute, value)
+            set_width(target, attribute, value)
     return done
 
 
@@ -177,7 +183,9 @@ def all_reduce_gradients(module: nn.Module, group: Any) -> None:
             param.register_hook(summed)
 
 
-def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
+def style_for(
+    rule: TpRule, module: nn.Module, parts: int = 1, widths: tuple[int, ...] | None = None
+) -> Any:
     """The ParallelStyle that realises `rule` on `module` (None: nothing to install).
 
     Sequence boundaries (`rule.sequence`) set the layouts: "gather" reads an input split on
@@ -219,9 +227,11 @@ def style_for(rule: TpRule, module: nn.Module, parts: int = 1) -> Any:
     if style == "rowwise_rep":
         kwargs["input_layouts"] = Replicate()
     kind = module_kind(module)
-    plain = kind in ("linear", "embedding") and parts == 1
+    plain = kind in ("linear", "embedding") and parts == 1 and not widths
     if style in ("colwise", "colwise_rep"):
-        return ColwiseParallel(**kwargs) if plain else SplitColwise(kind, parts, **kwargs)
+        if plain:
+            return ColwiseParallel(**kwargs)
+        return SplitColwise(kind, parts, widths, **kwargs)
     if style in ("rowwise", "rowwise_rep"):
         return OwnedRowwise(**kwargs) if plain else SplitRowwise(kind, **kwargs)
     raise ValueError(f"unknown tensor-parallel style {style!r}")
@@ -273,29 +283,45 @@ def _leave_backward(entered: list[Any], grad: torch.Tensor) -> None:
 
 
 def _distribute_params(
-    module: nn.Module, mesh: Any, kind: str, style: str, parts: int, src_data_rank: int | None
+    module: nn.Module,
+    mesh: Any,
+    kind: str,
+    style: str,
+    parts: int,
+    src_data_rank: int | None,
+    widths: tuple[int, ...] | None = None,
 ) -> None:
+    orders: dict[str, RowOrder] = {}
     for name, dim in split_dims(kind, style).items():
         param = getattr(module, name, None)
         if param is None:
             continue
+        whole = param.detach()
         if dim is None:
             placement: Any = Replicate()
+        elif widths:
+            orders[name] = RowOrder(dim, widths, mesh.size())
+            whole = orders[name].to_stored(whole)
+            placement = Shard(dim)
         elif parts > 1:
             placement = _StridedShard(dim, split_factor=parts)
         else:
             placement = Shard(dim)
-        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        tensor = distribute_tensor(whole, mesh, [placement], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    if orders:
+        keep_model_order(module, orders)
 
 
 class SplitColwise(ColwiseParallel):
     """ColwiseParallel for Conv1D and fused-output modules: parameters split by the layout
     table (fused parts one by one), input and output handled as torch's ColwiseParallel does."""
 
-    def __init__(self, kind: str, parts: int = 1, **kwargs: Any):
+    def __init__(
+        self, kind: str, parts: int = 1, widths: tuple[int, ...] | None = None, **kwargs: Any
+    ):
         super().__init__(**kwargs)
-        self.kind, self.parts = kind, parts
+        self.kind, self.parts, self.widths = kind, parts, widths
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         style = "colwise_rep" if self.output_layouts == (Replicate(),) else "colwise"
@@ -303,7 +329,7 @@ class SplitColwise(ColwiseParallel):
             module,
             device_mesh,
             lambda name, mod, mesh: _distribute_params(
-                mod, mesh, self.kind, style, self.parts, self.src_data_rank
+                mod, mesh, self.kind, style, self.parts, self.src_data_rank, self.widths
             ),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(_colwise_output, self.output_layouts, self.use_local_output),

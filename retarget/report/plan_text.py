@@ -153,6 +153,8 @@ def _tp_lines(plan: TpPlan) -> list[str]:
     for path, rule in plan.rules.items():
         parts = plan.fused.get(path, 1)
         style = rule.style + (f" ({parts} fused parts)" if parts > 1 else "")
+        if path in plan.fused_widths:
+            style += f" (fused parts of {list(plan.fused_widths[path])})"
         rows.append((path, style, rule.reason))
     lines += _table(rows)
     for path, fixes in plan.attribute_fixes.items():

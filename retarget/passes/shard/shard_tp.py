@@ -42,7 +42,13 @@ from torch import nn
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TP_STYLES, TpPlan, TpRule
-from retarget.core.tp_split_dims import COLWISE_STYLES, local_numel, module_kind, split_dims
+from retarget.core.tp_split_dims import (
+    COLWISE_STYLES,
+    get_width,
+    local_numel,
+    module_kind,
+    split_dims,
+)
 from retarget.execution.apply_tp import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
@@ -143,6 +149,10 @@ class ShardTp(Pass):
         notes = [plan.describe()]
         notes += [f"{path}: {rule.style} ({rule.reason})" for path, rule in plan.rules.items()]
         notes += [f"{p}: each of {n} fused parts split on its own" for p, n in plan.fused.items()]
+        notes += [
+            f"{p}: each of its fused parts of {list(w)} split on its own (stored in rank order)"
+            for p, w in plan.fused_widths.items()
+        ]
         notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
         notes += [f"region {name}: captured again once split" for name in recaptured]
         mesh = [program.world.size // size, size] if options.data_parallel else [size]
@@ -252,7 +262,7 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
             raise TargetNotSupportedError(
                 f"tp plan {plan.source}: attribute fix on {path!r}: no such module"
             ) from None
-        missing = [a for a in fixes if not hasattr(module, a)]
+        missing = [a for a in fixes if not _has_width(module, a)]
         if missing:
             raise TargetNotSupportedError(
                 f"tp plan {plan.source}: module {path!r} has no attribute {missing[0]!r} to set"
@@ -265,6 +275,14 @@ def check_plan(program: Program, plan: TpPlan) -> TpPlan:
                 "stay; drop the fix"
             )
     return plan
+
+
+def _has_width(module: nn.Module, name: str) -> bool:
+    try:
+        get_width(module, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _check_rule(program: Program, plan: TpPlan, path: str, rule: TpRule) -> None:
@@ -302,11 +320,22 @@ def _check_rule(program: Program, plan: TpPlan, path: str, rule: TpRule) -> None
             f"{where}: fused parts split {rule.style}; only a colwise split keeps each "
             "part's slice on its rank"
         )
+    widths = plan.fused_widths.get(path)
+    if widths and (rule.style != "colwise" or any(w % size for w in widths)):
+        raise TargetNotSupportedError(
+            f"{where}: fused parts of widths {list(widths)} split {rule.style} over {size}: "
+            "each part must divide by the degree, and only colwise splits them"
+        )
     for name, dim in split_dims(kind, rule.style).items():
         param = getattr(module, name, None)
         if param is None or dim is None:
             continue
         width = param.shape[dim]
+        if widths and sum(widths) != width:
+            raise TargetNotSupportedError(
+                f"{where}: {name} dim {dim} has {width}, not the {sum(widths)} of its fused "
+                f"parts {list(widths)}"
+            )
         if width % (size * parts):
             what = f"{parts} fused parts of {width // parts}" if parts > 1 else f"{width}"
             raise TargetNotSupportedError(

@@ -14,7 +14,10 @@ Anything else breaks the chain, and the break names its node and why: a norm or 
 the sharded dim, a slice of it, a head count that does not divide by the degree, a sum with a
 replicated tensor of full width, a sharded value leaving the region. A fused projection whose
 sharded output is split into equal parts along the sharded dim (GPT-2's c_attn into q|k|v) is
-recorded as fused: each part is split on its own. A broken chain is replicated, so what it
+recorded as fused: each part is split on its own. Slices (or an unequal split) of a Linear's
+output along the sharded dim that tile it, each part a multiple of the degree, are fused parts
+of unequal widths (Phi3's qkv under GQA: q|k|v of 32, 8 and 8 heads); cuts of anything else,
+or that leave a gap or overlap, break the chain. A broken chain is replicated, so what it
 computes is whole: a Linear reading it may start a chain of its own (MLA's q_b_proj after the
 norm that broke q_a_proj's).
 
@@ -70,6 +73,11 @@ class Chain:
     colwise: list[str] = field(default_factory=list)
     rowwise: list[str] = field(default_factory=list)
     fused: dict[str, int] = field(default_factory=dict)
+    """Linear path -> equal parts its output is split into."""
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Linear path -> the unequal widths of the parts its output is cut into, in order."""
+    cuts: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    """Linear path -> the [start, stop) feature ranges the graph cuts from its output."""
     widths: set[int] = field(default_factory=set)
     """Sizes the sharded dim takes along the chain (feature widths, head counts)."""
     per_shard_params: list[str] = field(default_factory=list)
@@ -145,6 +153,8 @@ class _Walk:
             keep.colwise += gone.colwise
             keep.rowwise += gone.rowwise
             keep.fused.update(gone.fused)
+            for path, spans in gone.cuts.items():
+                keep.cuts.setdefault(path, set()).update(spans)
             keep.widths |= gone.widths
             keep.per_shard_params += gone.per_shard_params
             keep.breaks += gone.breaks
@@ -189,6 +199,9 @@ class _Walk:
             self.break_chains(node, groups, str(why))
             self.layouts[node] = None  # the broken chain is replicated: this value is whole
             return
+        if tracked.cuts and not self.cut_parts(node, tracked, groups):
+            self.layouts[node] = None
+            return
         for a, b in zip(sorted(groups), sorted(groups)[1:], strict=False):
             self.join(a, b)
         for param in tracked.whole_parameters:
@@ -206,8 +219,25 @@ class _Walk:
                 shape = tensor_shape(node)
                 if shape is not None and not isinstance(layout, tuple):
                     self.chain(item.group).widths.add(int(shape[item.dim]))
+        if tracked.cuts:
+            return  # a part: cutting it again is not cutting the Linear's output
         if tracked.first_sharded in self.origins and len(tracked.groups()) == 1:
             self.origins[node] = self.origins[tracked.first_sharded]
+
+    def cut_parts(self, node: fx.Node, tracked: Tracked, groups: set[int]) -> bool:
+        """Record the ranges `node` cuts from a Linear's output, in that Linear's output
+        features; break the chain (False) when the value cut is not a Linear's whole output."""
+        value, layout = tracked.source()
+        origin = self.origins.get(value)
+        width = tensor_shape(value)[layout.dim]  # type: ignore[index]
+        features = self.linears[origin].out_features if origin is not None else 0
+        if origin is None or features % width:
+            self.break_chains(node, groups, "it slices the sharded dim")
+            return False
+        unit = features // width  # features per index of the sharded dim (a head's width)
+        spans = self.chain(layout.group).cuts.setdefault(origin, set())
+        spans.update((start * unit, stop * unit) for start, stop in tracked.cuts)
+        return True
 
     def layout_of(self, node: fx.Node) -> Any:
         layout = self.layouts.get(node)
@@ -295,6 +325,8 @@ class _Walk:
         roots = sorted({self.find(g) for g in range(len(self.parents))})
         chains = [self.chains[r] for r in roots]
         for chain in chains:
+            for path, spans in chain.cuts.items():
+                self.fuse_cuts(chain, path, sorted(spans))
             for path in chain.colwise:
                 parts = chain.fused.get(path, 1)
                 features = self.linears[path].out_features
@@ -309,6 +341,30 @@ class _Walk:
                     self._conflict({roots[chains.index(chain)]}, chain.breaks[0])
                 )
         return ChainAnalysis(self.linears, chains)
+
+    def fuse_cuts(self, chain: Chain, path: str, spans: list[tuple[int, int]]) -> None:
+        """Cuts that tile the Linear's output are its fused parts: equal ones as `fused`,
+        unequal ones as `parts`; each must divide by the degree."""
+        features = self.linears[path].out_features
+        ends = [0] + [stop for _, stop in spans]
+        tiled = all(start == end for (start, _), end in zip(spans, ends, strict=False))
+        if not tiled or ends[-1] != features or path in chain.fused:
+            chain.breaks.append(
+                f"the graph cuts {path}'s {features} output features into {spans}, which are "
+                "not parts that cover them once each"
+            )
+            return
+        widths = tuple(stop - start for start, stop in spans)
+        uneven = [w for w in widths if w % self.size]
+        if uneven:
+            chain.breaks.append(
+                f"{path}'s output is cut into parts of {list(widths)} features, and {uneven[0]} "
+                f"does not divide by {self.size}"
+            )
+        elif len(set(widths)) == 1:
+            chain.fused[path] = len(widths)
+        else:
+            chain.parts[path] = widths
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:

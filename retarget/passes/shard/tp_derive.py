@@ -45,6 +45,7 @@ class BlockPlan:
     rules: dict[str, TpRule] = field(default_factory=dict)
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     fused: dict[str, int] = field(default_factory=dict)
+    fused_widths: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def derive_tp_plan(
@@ -56,6 +57,7 @@ def derive_tp_plan(
     rules: dict[str, TpRule] = {}
     fixes: dict[str, dict[str, int]] = {}
     fused: dict[str, int] = {}
+    fused_widths: dict[str, tuple[int, ...]] = {}
     inputs = block_inputs(program)
     for region in program.regions:
         block = plan_block(program, region, size, inputs.get(region.paths[0]), sequence_parallel)
@@ -63,6 +65,7 @@ def derive_tp_plan(
             rules.update({join_path(base, p): rule for p, rule in block.rules.items()})
             fixes.update({join_path(base, p): dict(f) for p, f in block.fixes.items()})
             fused.update({join_path(base, p): n for p, n in block.fused.items()})
+            fused_widths.update({join_path(base, p): w for p, w in block.fused_widths.items()})
     blocks = {path for region in program.regions for path in region.paths}
     named = list(program.module.named_modules())
     rules.update(outside_rules(named, rules, blocks, sequence_parallel))
@@ -77,6 +80,9 @@ def derive_tp_plan(
         rules=rules,
         attribute_fixes=fixes,
         fused={p: n for p, n in fused.items() if p in rules and rules[p].style == "colwise"},
+        fused_widths={
+            p: w for p, w in fused_widths.items() if p in rules and rules[p].style == "colwise"
+        },
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         per_rank_numel=per_rank,
@@ -208,6 +214,12 @@ def chain_rules(chain: Chain, plan: BlockPlan) -> None:
             if parts > 1:
                 plan.fused[path] = parts
                 reason += f"; its output is {parts} fused parts, each split on its own"
+            if path in chain.parts:
+                plan.fused_widths[path] = chain.parts[path]
+                reason += (
+                    f"; its output is fused parts of {list(chain.parts[path])} features, each "
+                    "split on its own"
+                )
             plan.rules[path] = TpRule(style="colwise", reason=reason)
         for path in chain.rowwise:
             plan.rules[path] = TpRule(

@@ -78,6 +78,13 @@ def read_hand_plan(
                 program, region, size, inputs.get(region.paths[0]), sequence_parallel, forced
             )
             _check_fused(block.fused, fused, bases[0])
+            if block.fused_widths:
+                path, widths = next(iter(block.fused_widths.items()))
+                raise HandPlanConflict(
+                    f"the hand plan splits {join_path(bases[0], path)}, whose output the graph "
+                    f"cuts into fused parts of unequal widths {list(widths)}: a hand plan cannot "
+                    "declare those; use plan=auto, which splits each part on its own"
+                )
             for base in bases:
                 for relative, rule in block.rules.items():
                     if rule.style == "replicate" and relative not in forced:

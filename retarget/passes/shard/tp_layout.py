@@ -64,6 +64,9 @@ class Tracked:
     layouts: dict[fx.Node, Any]
     size: int
     fused_parts: int = 0
+    cuts: list[tuple[int, int]] = field(default_factory=list)
+    """[start, stop) ranges of the sharded dim the op cuts out (slices; a split into unequal
+    parts): parts of a fused projection when they tile its output (tp_chains)."""
     whole_parameters: list[str] = field(default_factory=list)
 
     def groups(self) -> set[int]:

@@ -1,8 +1,10 @@
 """Layout rules of the ops that only move or cut a tensor (views, transposes, slices, splits).
 
 The sharded dim is followed through each: kept, renumbered, split into heads (the outer part
-must divide by the degree), merged with inner dims. Cutting it (a slice, a select, a split into
-unequal parts) breaks the chain; an equal split of it is a fused projection (q|k|v).
+must divide by the degree), merged with inner dims. An equal split of it is a fused projection
+(q|k|v); slices of it and a split into unequal parts are recorded as cuts, which tp_chains
+accepts as the parts of a fused projection when they tile its output (Phi3's qkv under GQA) and
+breaks the chain otherwise. A select of one index breaks it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,12 @@ def slice_(t: Tracked) -> Sharded:
     shape = t.shapes(value)
     dim = wrap_dim(t.arg(1, "dim", 0), len(shape))
     if dim == layout.dim and t.shapes(t.node)[dim] != shape[dim]:
-        raise Break("it slices the sharded dim")
+        start, stop, step = t.arg(2, "start"), t.arg(3, "end"), t.arg(4, "step", 1)
+        bounds = (start, stop, step)
+        if not all(b is None or type(b) is int for b in bounds) or step != 1:
+            raise Break(f"it slices the sharded dim with {bounds}")
+        start, stop, _ = slice(start, stop).indices(shape[dim])
+        t.cuts.append((start, stop))
     return layout
 
 
@@ -112,15 +119,21 @@ def select(t: Tracked) -> Sharded:
 
 def split(t: Tracked) -> tuple[Sharded, ...]:
     """Split on another dim: every part keeps the layout. On the sharded dim into equal parts: a
-    fused projection (q|k|v), each part split on its own."""
+    fused projection (q|k|v), each part split on its own; into unequal parts: cuts."""
     value, layout = t.source()
     shape = t.shapes(value)
     dim = wrap_dim(t.arg(2, "dim", 0), len(shape))
     parts = [tuple(p.shape) for p in t.node.meta.get("val", ())]
     if dim == layout.dim:
+        if len(parts) < 2:
+            raise Break("it splits the sharded dim into one part")
         widths = {p[dim] for p in parts}
-        if len(widths) != 1 or len(parts) < 2:
-            raise Break(f"it splits the sharded dim into unequal parts {[p[dim] for p in parts]}")
+        if len(widths) != 1:
+            offset = 0
+            for part in parts:
+                t.cuts.append((offset, offset + part[dim]))
+                offset += part[dim]
+            return tuple(Sharded(layout.dim, layout.group) for _ in parts)
         width = widths.pop()
         if width % t.size:
             raise Break(f"each of its {len(parts)} fused parts has {width}, not divisible")

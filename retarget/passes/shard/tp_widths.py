@@ -4,15 +4,21 @@ A captured graph has every size as a literal, so it cannot tell a view written w
 that reads a full width from a module attribute (GPT-2's `split_size`, Conv1D's `nf`, BERT's
 `all_head_size`). The block's eager code can: we give its first repeat rank 0's share of each
 split weight (column-wise: the first 1/N of the output features, of each part when fused;
-row-wise: the first 1/N of the input features), run it once on the inputs it received from the
-example, and compare the output's shape with the full block's. When it fails, the int
-attributes that hold a width the chain splits (a head count, a feature width), on the chain's
-column-wise Linears and the modules above its Linears, are divided by N, all together, then
-each put back while the run still passes: what is left are the attributes the code reads
+row-wise: the first 1/N of the input features), run it on the inputs it received from the
+example, and compare the output's shape with the full block's; then its values: each rank's
+share run in turn in one process, the row-wise Linears' outputs summed as the all-reduce would,
+must give the whole block's output (a width left whole can keep the shapes right and the values
+wrong: Phi3's value slice running past its local tensor comes out empty and attention
+broadcasts it). When it fails, the int attributes that hold a width the chain splits (a head
+count, a feature width), on the chain's column-wise Linears and the modules above its Linears
+(and on their `config`, which a module then gets a copy of: Phi3's attention reads its query
+width from `config.num_attention_heads`), are divided by N, all together, then each put back
+while the run still passes: what is left are the attributes the code reads
 (`TpPlan.attribute_fixes`), less those on the split Linears themselves (here they run on plain
 slices; split by torch's styles, on whole-size DTensors). A chain no fix lets run is broken,
 with the error as its reason.
-Everything is restored afterwards (weights, attributes, RNG, buffers; the KV cache is a copy).
+Everything is restored afterwards (weights, attributes, RNG, buffers, training modes; the KV
+cache is a copy).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from retarget.core.tp_split_dims import set_width
 from retarget.frontends import one_line
 from retarget.frontends.check import preserved_state
 from retarget.frontends.state import copy_state_args
@@ -48,6 +55,8 @@ class WidthCheck:
     size: int
     expected: tuple[int, ...] | None = None
     """The full block's output shape (the graph's, when it recorded one)."""
+    reference: torch.Tensor | None = None
+    """The full block's first output in eval mode (computed at the first value check)."""
 
     def __post_init__(self) -> None:
         if self.expected is None:
@@ -86,12 +95,14 @@ class WidthCheck:
         widths = set(chain.widths)
         for path, parts in chain.fused.items():
             widths.add(self.linears[path].out_features // parts)
+        for parts in chain.parts.values():
+            widths.update(parts)
         found = []
         for path, module in self.block.named_modules():
             if path not in _owners(chain):
                 continue
-            for name, value in vars(module).items():
-                if type(value) is int and value in widths and value % self.size == 0:
+            for name, value in _int_attributes(module):
+                if value in widths and value % self.size == 0:
                     found.append((path, name, value // self.size))
         return found
 
@@ -101,13 +112,91 @@ class WidthCheck:
             return False, got
         if got != self.expected:
             return False, f"output shapes {got}, expected {self.expected}"
+        return self.same_values(chains, fixes)
+
+    def same_values(self, chains: list[Chain], fixes: list[Fix]) -> tuple[bool, str]:
+        """The split computed in one process: every rank's share run in turn, the row-wise
+        Linears' outputs summed over the ranks (the all-reduce), in the order the block calls
+        them (an output summed feeds the next chain on every rank). The block's output must
+        equal the whole block's: a fix that only gets the shapes right (a slice that runs past
+        the local tensor and comes out empty) is not a fix. Dropout off (eval) for both."""
+        if self.reference is None:
+            self.reference = self._output([], [], 0, {})
+        summed: dict[tuple[str, int], torch.Tensor] = {}
+        while True:
+            partial: dict[tuple[str, int], list[torch.Tensor]] = {}
+            for rank in range(self.size):
+                self._output(chains, fixes, rank, summed, partial)
+            pending = [key for key in partial if key not in summed]
+            if not pending:
+                break
+            path, _ = key = pending[0]  # the first in call order: its inputs were all summed
+            bias = getattr(self.block.get_submodule(path), "bias", None)
+            total = torch.stack(partial[key]).sum(0)
+            summed[key] = total if bias is None else total - (self.size - 1) * bias.detach()
+        got = self._output(chains, fixes, 0, summed)
+        reference = self.reference
+        if got is None or reference is None or got.shape != reference.shape:
+            return False, "the split block's output has another shape"
+        scale = reference.abs().max().item() or 1.0
+        tolerance = max(1e-4, 8 * torch.finfo(reference.dtype).eps) * scale
+        error = (got - reference).abs().max().item()
+        if error > tolerance:
+            return False, (
+                f"one process simulating the split gets other values than the whole block "
+                f"(largest difference {error:.3g})"
+            )
         return True, ""
 
-    def _run(self, chains: list[Chain], fixes: list[Fix]) -> tuple[bool, Any]:
+    def _output(
+        self,
+        chains: list[Chain],
+        fixes: list[Fix],
+        rank: int,
+        summed: dict[tuple[str, int], torch.Tensor],
+        partial: dict[tuple[str, int], list[torch.Tensor]] | None = None,
+    ) -> torch.Tensor | None:
+        """The first output tensor of one eval-mode run on `rank`'s share, with the row-wise
+        outputs in `summed` put in place and the others recorded into `partial`."""
+        calls: dict[str, int] = {}
+
+        def rowwise(path: str, _module: nn.Module, _args: Any, output: Any) -> Any:
+            key = (path, calls.get(path, 0))
+            calls[path] = key[1] + 1
+            # Copies both ways: the block may add into a Linear's output in place (Falcon).
+            if key in summed:
+                return summed[key].clone()
+            if partial is not None:
+                partial.setdefault(key, []).append(output.detach().clone())
+            return None
+
+        handles = [
+            self.block.get_submodule(path).register_forward_hook(
+                lambda m, a, o, path=path: rowwise(path, m, a, o)
+            )
+            for chain in chains
+            for path in chain.rowwise
+        ]
+        modes = [(m, m.training) for m in self.block.modules()]
+        try:
+            self.block.eval()
+            ok, out = self._run(chains, fixes, rank=rank, keep_output=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, mode in modes:
+                module.training = mode
+        if not ok:
+            return None
+        return next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+
+    def _run(
+        self, chains: list[Chain], fixes: list[Fix], *, rank: int = 0, keep_output: bool = False
+    ) -> tuple[bool, Any]:
         args, kwargs = copy_state_args(self.args, self.kwargs)
         try:
             with (
-                shares(self.block, chains, self.linears, self.size),
+                shares(self.block, chains, self.linears, self.size, rank),
                 shrunk(self.block, fixes),
                 running_eagerly((self.block,)),
                 users_hooks_set_aside(self.block),
@@ -117,8 +206,19 @@ class WidthCheck:
                 out = self.block(*args, **kwargs)
         except Exception as exc:  # the block's own code refusing the shapes is the answer
             return False, one_line(exc)
+        if keep_output:
+            return True, out
         first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         return True, None if first is None else tuple(first.shape)
+
+
+def _int_attributes(module: nn.Module) -> list[tuple[str, int]]:
+    """The module's int attributes, and its config's as "config.NAME"."""
+    found = [(name, value) for name, value in vars(module).items() if type(value) is int]
+    config = vars(module).get("config")
+    if config is not None and hasattr(config, "to_dict"):  # a transformers config
+        found += [(f"config.{n}", v) for n, v in vars(config).items() if type(v) is int]
+    return found
 
 
 def _outside(fixes: list[Fix], chain: Chain) -> list[Fix]:
@@ -139,9 +239,13 @@ def _owners(chain: Chain) -> set[str]:
 
 @contextlib.contextmanager
 def shares(
-    block: nn.Module, chains: list[Chain], linears: dict[str, LinearSite], size: int
+    block: nn.Module,
+    chains: list[Chain],
+    linears: dict[str, LinearSite],
+    size: int,
+    rank: int = 0,
 ) -> Iterator[None]:
-    """Give the chains' Linears rank 0's share of their weights while inside."""
+    """Give the chains' Linears `rank`'s share of their weights while inside."""
     saved = []
     try:
         for chain in chains:
@@ -149,13 +253,13 @@ def shares(
                 module = block.get_submodule(path)
                 site = linears[path]
                 colwise = path in chain.colwise
-                parts = chain.fused.get(path, 1)
+                parts = chain.parts.get(path) or chain.fused.get(path, 1)
                 for name in ("weight", "bias"):
                     tensor = module._parameters.get(name)
                     if tensor is None or (name == "bias" and not colwise):
                         continue
                     saved.append((module, name, tensor))
-                    share = _share(tensor.detach(), name, site.kind, colwise, parts, size)
+                    share = _share(tensor.detach(), name, site.kind, colwise, parts, size, rank)
                     module._parameters[name] = nn.Parameter(share, requires_grad=False)
         yield
     finally:
@@ -164,16 +268,29 @@ def shares(
 
 
 def _share(
-    tensor: torch.Tensor, name: str, kind: str, colwise: bool, parts: int, size: int
+    tensor: torch.Tensor,
+    name: str,
+    kind: str,
+    colwise: bool,
+    parts: int | tuple,
+    size: int,
+    rank: int,
 ) -> torch.Tensor:
+    """`rank`'s share; `parts`: equal fused parts, or the widths of unequal ones."""
     if name == "bias":
         dim = 0
     elif kind == "conv1d":  # weight (in, out)
         dim = 1 if colwise else 0
     else:  # weight (out, in)
         dim = 0 if colwise else 1
-    pieces = tensor.chunk(parts, dim) if colwise else (tensor,)
-    return torch.cat([p.narrow(dim, 0, p.shape[dim] // size) for p in pieces], dim).clone()
+    if not colwise:
+        pieces: Any = (tensor,)
+    elif isinstance(parts, tuple):
+        pieces = tensor.split(list(parts), dim)
+    else:
+        pieces = tensor.chunk(parts, dim)
+    mine = [p.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size) for p in pieces]
+    return torch.cat(mine, dim).clone()
 
 
 @contextlib.contextmanager
@@ -182,8 +299,9 @@ def shrunk(block: nn.Module, fixes: list[Fix]) -> Iterator[None]:
     try:
         for path, name, value in fixes:
             module = block.get_submodule(path)
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, value)
+            holder = name.split(".")[0]
+            saved.append((module, holder, getattr(module, holder)))
+            set_width(module, name, value)
         yield
     finally:
         for module, name, value in reversed(saved):

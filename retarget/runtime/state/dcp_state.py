@@ -2,7 +2,9 @@
 
 `model/` holds the tensors, one file per rank (under FSDP each rank's shards, under DDP or a
 single process the full tensors, written once; a tensor tp split in strides, its fused q|k|v
-parts, whole, since DCP's planner cannot place strided pieces); `model_state.json` the rest of
+parts, whole, since DCP's planner cannot place strided pieces; a tensor tp stores in rank order,
+fused parts of unequal widths, and its optimizer state, whole in the model's order, as one
+process holds them: execution/tp_row_order); `model_state.json` the rest of
 the model and optimizer state dicts (learning rates, betas, parameter names) with references to
 the tensors. Loading fills templates built from the live objects, so the model must be built as
 it was saved.
@@ -38,6 +40,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
+from retarget.execution.tp_row_order import (
+    optimizer_state_in_model_order,
+    optimizer_state_in_stored_order,
+)
 from retarget.runtime.state.checkpoint_objects import CheckpointObjects
 from retarget.runtime.state.codec import decode, encode, tensor_names
 from retarget.runtime.state.folder import CheckpointError
@@ -111,6 +117,9 @@ def load_model_state(folder: Path, objects: CheckpointObjects, state: ProcessSta
             whole, live.device_mesh, live.placements, src_data_rank=None
         )
     trees = decode(skeleton, tensors)["models"]
+    for model, tree in zip(objects.models, trees, strict=True):
+        if "optim" in tree:
+            optimizer_state_in_stored_order(model, tree["optim"])
     groups = zip(objects.models, objects.optimizers, fresh, trees, strict=True)
     for model, group, flags, tree in groups:
         stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
@@ -149,6 +158,7 @@ def _model_trees(objects: CheckpointObjects, fresh: list[list[bool]]) -> list[di
         stepped = [opt for opt, was_fresh in zip(group, flags, strict=True) if not was_fresh]
         if stepped:
             model_sd, optim_sd = get_state_dict(model, stepped)
+            optimizer_state_in_model_order(model, optim_sd)
             tree = {"model": _own_part(model, model_sd), "optim": _own_state(model, optim_sd)}
         else:
             tree = {"model": _own_part(model, get_model_state_dict(model))}

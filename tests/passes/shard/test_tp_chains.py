@@ -123,10 +123,53 @@ def test_a_view_that_mixes_ranks_elements_breaks_the_chain():
     assert up.members == ["up"] and "the view to [3, 4, 3] mixes the sharded dim" in up.breaks[0]
 
 
-def test_a_slice_of_the_split_dim_breaks_and_the_reader_sees_whole_values():
-    up, down = _chains(Sliced(), torch.randn(3, 8)).chains
-    assert up.members == ["up"] and up.breaks == ["node slice_1: it slices the sharded dim"]
-    assert down.colwise == ["down"] and "leaves the region sharded" in down.breaks[0]
+def test_a_slice_of_the_split_dim_that_is_no_part_breaks_the_chain():
+    (chain,) = _chains(Sliced(), torch.randn(3, 8)).chains
+    assert chain.members == ["up", "down"] and not chain.complete
+    assert "cuts up's 32 output features into [(0, 16)], which are not parts" in chain.breaks[0]
+
+
+class UnequalParts(nn.Module):
+    """Phi3's attention under GQA: one projection sliced into q|k|v of 4, 2 and 2 heads, each
+    viewed into heads; k and v repeated for the query heads of their group."""
+
+    def __init__(self, spans=((0, 32), (32, 48), (48, 64)), head: int = 8) -> None:
+        super().__init__()
+        self.spans, self.head = spans, head
+        self.qkv, self.o = nn.Linear(16, 64), nn.Linear(32, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.qkv(x)
+        q, k, v = (fused[..., a:z].view(b, s, -1, self.head).transpose(1, 2) for a, z in self.spans)
+        groups = q.shape[1] // k.shape[1]
+
+        def repeat(t):  # transformers' repeat_kv
+            n, seq = t.shape[1], t.shape[2]
+            return t[:, :, None].expand(b, n, groups, seq, self.head).reshape(b, -1, seq, self.head)
+
+        k, v = repeat(k), repeat(v)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_slices_that_tile_the_output_are_fused_parts_of_unequal_widths():
+    (chain,) = _chains(UnequalParts(), torch.randn(2, 5, 16)).chains
+    assert chain.complete and chain.parts == {"qkv": (32, 16, 16)} and chain.fused == {}
+    # Equal slices are the equal fused parts GPT-2's split makes.
+    equal = UnequalParts(spans=((0, 16), (16, 32), (32, 48)))
+    equal.qkv, equal.o = nn.Linear(16, 48), nn.Linear(16, 16)
+    assert _chains(equal, torch.randn(2, 5, 16)).chains[0].fused == {"qkv": 3}
+
+
+def test_slices_with_a_gap_or_a_part_that_does_not_divide_break_the_chain():
+    gap = UnequalParts(spans=((0, 32), (32, 48), (40, 56)))
+    gap.o = nn.Linear(32, 16)
+    chain = _chains(gap, torch.randn(2, 5, 16)).chains[0]
+    assert "not parts that cover them once each" in chain.breaks[0]
+    chain = _chains(UnequalParts(), torch.randn(2, 5, 16), size=4).chains[0]
+    assert not chain.complete  # k and v have 2 heads each: at 4 ranks the views break first
+    assert "2 heads do not divide by 4" in chain.breaks[0]
 
 
 def test_an_unknown_op_on_the_split_dim_breaks_the_chain_by_name():

@@ -155,6 +155,40 @@ def test_gpt_neox_fused_qkv_split_per_head_needs_no_fused_parts():
     assert plan.fused == {}
 
 
+def test_phi3_qkv_of_unequal_parts_is_split_part_by_part_with_its_widths_fixed():
+    """Phi3 under GQA slices one qkv projection into q|k|v of unequal widths: the slices tile
+    the output, so each part is split on its own. Its attention reads the query width from
+    `config.num_attention_heads` and the key width from `num_key_value_heads`: both shrink
+    (the config on a copy the module holds alone). A fix that only the shapes check would have
+    missed the second: the value slice then runs past the local tensor and comes out empty."""
+    program = _program("phi3")
+    config = program.module.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    plan = derive_tp_plan(program, 2)
+    assert _styles(plan, "model.layers.0") == {
+        "self_attn.qkv_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }
+    width = config.hidden_size // heads
+    parts = (heads * width, kv_heads * width, kv_heads * width)
+    assert plan.fused_widths["model.layers.0.self_attn.qkv_proj"] == parts
+    assert plan.fused == {
+        "model.layers.0.mlp.gate_up_proj": 2,
+        "model.layers.1.mlp.gate_up_proj": 2,
+    }
+    assert plan.attribute_fixes["model.layers.1.self_attn"] == {
+        "num_key_value_heads": kv_heads // 2,
+        "config.num_attention_heads": heads // 2,
+    }
+    from retarget.passes.shard.shard_tp import per_rank_of
+
+    mine, total = per_rank_of(program, plan, program.submodule("model.layers.0"))
+    assert mine <= 0.51 * total
+    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return _program("gpt2")
