@@ -290,6 +290,9 @@ class TpPlan:
     """Module path -> the widths of fused parts of unequal sizes along its sharded dim (Phi3's
     q|k|v under GQA), each split on its own: rank r holds [q_r|k_r|v_r], stored as rank r's
     block of a parameter whose rows are in rank order (core.tp_split_dims.RowOrder)."""
+    fused_whole: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Module path -> indices of its `fused_widths` parts every rank holds whole, beside the
+    split ones (Falcon's one-head k and v): their gradients are summed over the tp ranks."""
     sequence_parallel: bool = False
     """The residual stream between blocks is split on the sequence dim (rules' `sequence`)."""
     loss_parallel: bool = False

@@ -99,33 +99,62 @@ def set_width(module: nn.Module, name: str, value: int) -> None:
     setattr(module, holder, own)
 
 
+#: The attribute a tp parameter stored in rank order carries its RowOrder in.
+ROW_ORDER = "_retarget_row_order"
+
+
 @dataclass(frozen=True)
 class RowOrder:
     """Where the rows of a tp-split parameter with fused parts of unequal `widths` (summing to
-    its size on `dim`) are stored: rank by rank, each rank's slice of every part in turn.
+    its size on `dim`) are stored: rank by rank, each rank's slice of every part in turn, or
+    the whole part for those in `whole` (held by every rank: Falcon's one-head k and v).
 
         >>> RowOrder(0, (4, 2, 2), 2).stored_rows().tolist()
         [0, 1, 4, 6, 2, 3, 5, 7]
+        >>> RowOrder(0, (4, 1, 1), 2, whole=(1, 2)).stored_rows().tolist()
+        [0, 1, 4, 5, 2, 3, 4, 5]
     """
 
     dim: int
     widths: tuple[int, ...]
     size: int
+    whole: tuple[int, ...] = ()
+
+    def local_rows(self) -> int:
+        return sum(w if i in self.whole else w // self.size for i, w in enumerate(self.widths))
 
     def stored_rows(self) -> torch.Tensor:
         """For each stored row, the row of the model's tensor it holds."""
         rows: list[int] = []
         for rank in range(self.size):
             offset = 0
-            for width in self.widths:
-                share = width // self.size
-                rows.extend(range(offset + rank * share, offset + (rank + 1) * share))
+            for index, width in enumerate(self.widths):
+                if index in self.whole:
+                    rows.extend(range(offset, offset + width))
+                else:
+                    share = width // self.size
+                    rows.extend(range(offset + rank * share, offset + (rank + 1) * share))
                 offset += width
+        return torch.tensor(rows, dtype=torch.long)
+
+    def whole_rows(self) -> torch.Tensor:
+        """The positions, among one rank's local rows, of the parts every rank holds whole."""
+        rows: list[int] = []
+        position = 0
+        for index, width in enumerate(self.widths):
+            share = width if index in self.whole else width // self.size
+            if index in self.whole:
+                rows.extend(range(position, position + share))
+            position += share
         return torch.tensor(rows, dtype=torch.long)
 
     def to_stored(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.index_select(self.dim, self.stored_rows().to(tensor.device))
 
     def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(self.stored_rows()).to(tensor.device)
-        return tensor.index_select(self.dim, order)
+        """The model's tensor from the stored one (of a row held by every rank, rank 0's)."""
+        stored = self.stored_rows().tolist()
+        first = [0] * sum(self.widths)
+        for position in reversed(range(len(stored))):
+            first[stored[position]] = position
+        return tensor.index_select(self.dim, torch.tensor(first, device=tensor.device))

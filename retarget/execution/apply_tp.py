@@ -74,7 +74,9 @@ def apply_tp(module: nn.Module, plan: TpPlan, mesh: Any) -> list[str]:
         if rule.style == "replicate_grad_allreduce":
             all_reduce_gradients(target, mesh.get_group())
             continue
-        style = style_for(rule, target, plan.fused.get(path, 1), plan.fused_widths.get(path))
+        widths = plan.fused_widths.get(path)
+        whole = plan.fused_whole.get(path, ())
+        style = style_for(rule, target, plan.fused.get(path, 1), widths, whole)
         if style is None:
             continue
         parallelize_module(target, mesh, style)
@@ -184,7 +186,11 @@ def all_reduce_gradients(module: nn.Module, group: Any) -> None:
 
 
 def style_for(
-    rule: TpRule, module: nn.Module, parts: int = 1, widths: tuple[int, ...] | None = None
+    rule: TpRule,
+    module: nn.Module,
+    parts: int = 1,
+    widths: tuple[int, ...] | None = None,
+    whole: tuple[int, ...] = (),
 ) -> Any:
     """The ParallelStyle that realises `rule` on `module` (None: nothing to install).
 
@@ -231,7 +237,7 @@ def style_for(
     if style in ("colwise", "colwise_rep"):
         if plain:
             return ColwiseParallel(**kwargs)
-        return SplitColwise(kind, parts, widths, **kwargs)
+        return SplitColwise(kind, parts, widths, whole, **kwargs)
     if style in ("rowwise", "rowwise_rep"):
         return OwnedRowwise(**kwargs) if plain else SplitRowwise(kind, **kwargs)
     raise ValueError(f"unknown tensor-parallel style {style!r}")
@@ -290,27 +296,28 @@ def _distribute_params(
     parts: int,
     src_data_rank: int | None,
     widths: tuple[int, ...] | None = None,
+    whole: tuple[int, ...] = (),
 ) -> None:
     orders: dict[str, RowOrder] = {}
     for name, dim in split_dims(kind, style).items():
         param = getattr(module, name, None)
         if param is None:
             continue
-        whole = param.detach()
+        tensor = param.detach()
         if dim is None:
             placement: Any = Replicate()
         elif widths:
-            orders[name] = RowOrder(dim, widths, mesh.size())
-            whole = orders[name].to_stored(whole)
+            orders[name] = RowOrder(dim, widths, mesh.size(), whole)
+            tensor = orders[name].to_stored(tensor)
             placement = Shard(dim)
         elif parts > 1:
             placement = _StridedShard(dim, split_factor=parts)
         else:
             placement = Shard(dim)
-        tensor = distribute_tensor(whole, mesh, [placement], src_data_rank=src_data_rank)
-        module.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+        split = distribute_tensor(tensor, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
     if orders:
-        keep_model_order(module, orders)
+        keep_model_order(module, orders, mesh.get_group())
 
 
 class SplitColwise(ColwiseParallel):
@@ -318,10 +325,15 @@ class SplitColwise(ColwiseParallel):
     table (fused parts one by one), input and output handled as torch's ColwiseParallel does."""
 
     def __init__(
-        self, kind: str, parts: int = 1, widths: tuple[int, ...] | None = None, **kwargs: Any
+        self,
+        kind: str,
+        parts: int = 1,
+        widths: tuple[int, ...] | None = None,
+        whole: tuple[int, ...] = (),
+        **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        self.kind, self.parts, self.widths = kind, parts, widths
+        self.kind, self.parts, self.widths, self.whole = kind, parts, widths, whole
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         style = "colwise_rep" if self.output_layouts == (Replicate(),) else "colwise"
@@ -329,7 +341,7 @@ class SplitColwise(ColwiseParallel):
             module,
             device_mesh,
             lambda name, mod, mesh: _distribute_params(
-                mod, mesh, self.kind, style, self.parts, self.src_data_rank, self.widths
+                mod, mesh, self.kind, style, self.parts, self.src_data_rank, self.widths, self.whole
             ),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(_colwise_output, self.output_layouts, self.use_local_output),

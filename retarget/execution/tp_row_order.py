@@ -12,25 +12,48 @@ of the parameter itself is in rank order.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from retarget.core.tp_split_dims import RowOrder
+from retarget.core.tp_split_dims import ROW_ORDER, RowOrder
 
 
-def keep_model_order(module: nn.Module, orders: dict[str, RowOrder]) -> None:
+def keep_model_order(module: nn.Module, orders: dict[str, RowOrder], group: Any) -> None:
     """state_dict gives the parameters stored in rank order whole, in the model's order; load
-    takes that back (module docstring). Each call of state_dict gathers them: a collective."""
+    takes that back (module docstring). Each call of state_dict gathers them: a collective.
+    Parts every rank holds whole get their gradient summed over the tp `group` (each rank's is
+    partial: only its heads read them); the parameter carries its order (ROW_ORDER), so that
+    clipping counts those rows once."""
     module.__dict__[ROW_ORDERS] = orders
+    for name, order in orders.items():
+        param = module._parameters[name]
+        setattr(param, ROW_ORDER, order)
+        if order.whole and param.requires_grad:
+            param.register_hook(partial(_sum_whole_rows, order, group))
     module._register_state_dict_hook(_model_order_state)
     module.register_load_state_dict_pre_hook(_stored_order_load)
 
 
 #: The attribute a module whose parameters are stored in rank order keeps its RowOrders in.
 ROW_ORDERS = "_retarget_tp_row_orders"
+
+
+def _sum_whole_rows(order: RowOrder, group: Any, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient with the rows of the parts every rank holds whole summed over `group`
+    (before it is accumulated into .grad, so accumulation windows stay exact)."""
+    local = grad.to_local().clone() if isinstance(grad, DTensor) else grad.clone()
+    rows = order.whole_rows().to(local.device)
+    summed = local.index_select(order.dim, rows)
+    dist.all_reduce(summed, group=group)
+    local.index_copy_(order.dim, rows, summed)
+    if not isinstance(grad, DTensor):
+        return local
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
 def in_model_order(module: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.core.tp_split_dims import ROW_ORDER
 from retarget.execution.apply_plan import Applied
 
 
@@ -120,22 +121,32 @@ def clip_grad_norm(
     are identical on every rank, so their local norm is already the global one. torch's
     clip_grad_norm_ takes one mesh at a time, so gradients are grouped by mesh (fsdp+tp mixes
     the dp mesh and the (dp, tp) mesh; tp alone mixes plain tensors and tp DTensors), each
-    group's norm made whole, and the groups' norms combined.
+    group's norm made whole, and the groups' norms combined. A tp parameter whose fused parts
+    every rank holds whole (Falcon's k and v) is read whole in the model's order, so those
+    rows count once.
     """
     groups: dict[Any, list[torch.Tensor]] = {}
+    duplicated = []  # tp parameters whose fused parts every rank holds whole: counted once
     for param in params:
-        if param.grad is not None:
+        order = getattr(param, ROW_ORDER, None)
+        if param.grad is not None and order is not None and order.whole:
+            duplicated.append(param)
+        elif param.grad is not None:
             groups.setdefault(_mesh_key(param.grad), []).append(param)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and not duplicated:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    for param in duplicated:
+        grad = getattr(param, ROW_ORDER).to_model(param.grad.full_tensor())
+        norms.append(torch.nn.utils.get_total_norm([grad], norm_type))
     total = torch.nn.utils.get_total_norm(norms, norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    for group in [*groups.values(), duplicated]:
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

@@ -44,6 +44,7 @@ from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TP_STYLES, TpPlan, TpRule
 from retarget.core.tp_split_dims import (
     COLWISE_STYLES,
+    RowOrder,
     get_width,
     local_numel,
     module_kind,
@@ -199,6 +200,9 @@ def resolve_plan(program: Program, options: TpOptions, size: int) -> TpPlan:
             size,
             sequence_parallel=options.sequence_parallel,
             loss_parallel=options.loss_parallel,
+            # Parts kept whole sum their gradient with a hook on the parameter, which FSDP2
+            # replaces; their stream input under sequence parallelism is not tested.
+            whole_parts=not options.data_parallel and not options.sequence_parallel,
         )
     if options.plan != "hf":
         given = _referenced(options.plan)
@@ -321,7 +325,9 @@ def _check_rule(program: Program, plan: TpPlan, path: str, rule: TpRule) -> None
             "part's slice on its rank"
         )
     widths = plan.fused_widths.get(path)
-    if widths and (rule.style != "colwise" or any(w % size for w in widths)):
+    whole = plan.fused_whole.get(path, ())
+    split = [w for i, w in enumerate(widths or ()) if i not in whole]
+    if widths and (rule.style != "colwise" or any(w % size for w in split)):
         raise TargetNotSupportedError(
             f"{where}: fused parts of widths {list(widths)} split {rule.style} over {size}: "
             "each part must divide by the degree, and only colwise splits them"
@@ -347,6 +353,7 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
     """(elements one rank holds, elements in all) of `root`'s parameters under `plan` (a
     parameter shared by two modules counts once, as its first module splits it)."""
     styles = {id(program.submodule(p)): r.style for p, r in plan.rules.items()}
+    paths = {id(program.submodule(p)): p for p in plan.fused_widths}
     mine = total = 0
     seen: set[int] = set()
     for module in root.modules():
@@ -357,8 +364,25 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
                 continue
             seen.add(id(param))
             total += param.numel()
-            mine += local_numel(tuple(param.shape), dims.get(name), plan.size)
+            shape = _local_shape(plan, paths.get(id(module)), tuple(param.shape), dims.get(name))
+            mine += local_numel(shape, None, plan.size)
     return mine, total
+
+
+def _local_shape(
+    plan: TpPlan, path: str | None, shape: tuple[int, ...], dim: int | None
+) -> tuple[int, ...]:
+    """The shape one tp rank holds of a parameter split on `dim` (None: whole); fused parts
+    kept whole count on every rank."""
+    if dim is None:
+        return shape
+    local = list(shape)
+    if path is not None and path in plan.fused_widths:
+        widths, whole = plan.fused_widths[path], plan.fused_whole.get(path, ())
+        local[dim] = RowOrder(dim, widths, plan.size, whole).local_rows()
+    else:
+        local[dim] //= plan.size
+    return tuple(local)
 
 
 def fsdp_shapes(
@@ -398,9 +422,8 @@ def _split_parameters(program: Program, plan: TpPlan) -> list[tuple[Any, tuple[i
             if param is None or dim is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            shape = list(param.shape)
-            shape[dim] //= plan.size
-            found.append((param, tuple(shape), fused and dim == 0))
+            shape = _local_shape(plan, path, tuple(param.shape), dim)
+            found.append((param, shape, fused and dim == 0))
     return found
 
 

@@ -28,13 +28,15 @@ take is a `HandPlanConflict` naming the module and node, instead of a break.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from retarget.execution.autocast import cast_weight_linear
-from retarget.passes.shard.tp_layout import CASTS, Break, Sharded, Tracked, tensor_shape
+from retarget.passes.shard.tp_fused_parts import fuse_cuts, lifted_constant
+from retarget.passes.shard.tp_layout import CASTS, Break, Sharded, Tracked, Whole, tensor_shape
 from retarget.passes.shard.tp_layout_rules import layout_rule
 
 #: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight.
@@ -76,8 +78,11 @@ class Chain:
     """Linear path -> equal parts its output is split into."""
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Linear path -> the unequal widths of the parts its output is cut into, in order."""
-    cuts: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
-    """Linear path -> the [start, stop) feature ranges the graph cuts from its output."""
+    whole_parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Linear path -> the indices of its `parts` every rank holds whole (Falcon's k and v)."""
+    cuts: dict[str, set[tuple[int, int, bool]]] = field(default_factory=dict)
+    """Linear path -> the [start, stop) feature ranges the graph cuts from its output, and
+    whether each is split (else kept whole)."""
     widths: set[int] = field(default_factory=set)
     """Sizes the sharded dim takes along the chain (feature widths, head counts)."""
     per_shard_params: list[str] = field(default_factory=list)
@@ -111,14 +116,17 @@ def find_chains(
     *,
     state_outputs: int = 0,
     forced: dict[str, str] | None = None,
+    whole_parts: bool = True,
 ) -> ChainAnalysis:
     """Walk `gm` (a region graph whose attributes resolve on `root`) for a degree of `size`.
 
     `state_outputs` is how many trailing flat outputs are a KV cache's tensors (they may leave
     sharded: the cache then holds each rank's heads). `forced` maps relative module paths to
-    styles (a hand plan); unlisted Linears are replicated.
+    styles (a hand plan); unlisted Linears are replicated. `whole_parts=False`: a fused part
+    whose heads do not divide by the degree breaks its chain instead of being kept whole.
     """
     walk = _Walk(gm, root, size, forced)
+    walk.whole_parts = whole_parts
     for node in gm.graph.nodes:
         walk.visit(node, state_outputs)
     return walk.result()
@@ -127,6 +135,7 @@ def find_chains(
 class _Walk:
     def __init__(self, gm: fx.GraphModule, root: nn.Module, size: int, forced: dict | None):
         self.gm, self.root, self.size, self.forced = gm, root, size, forced
+        self.whole_parts = True
         self.layouts: dict[fx.Node, Any] = {}
         self.parents: list[int] = []
         self.chains: list[Chain] = []
@@ -185,10 +194,11 @@ class _Walk:
             return
         inputs = {n: self.layout_of(n) for n in node.all_input_nodes}
         sharded = {n: lay for n, lay in inputs.items() if isinstance(lay, (Sharded, tuple))}
+        wholes = {lay.group for lay in inputs.values() if isinstance(lay, Whole)}
         if not sharded:
-            self.layouts[node] = None
+            self.layouts[node] = self.carry_whole(node, wholes) if wholes else None
             return
-        tracked = Tracked(node, inputs, self.size)
+        tracked = Tracked(node, inputs, self.size, constant=partial(lifted_constant, self.gm))
         groups = tracked.groups()
         try:
             rule = layout_rule(node.target) if node.op == "call_function" else None
@@ -199,9 +209,11 @@ class _Walk:
             self.break_chains(node, groups, str(why))
             self.layouts[node] = None  # the broken chain is replicated: this value is whole
             return
-        if tracked.cuts and not self.cut_parts(node, tracked, groups):
-            self.layouts[node] = None
-            return
+        if tracked.cuts:
+            layout = self.cut_parts(node, tracked, groups, layout)
+            if layout is None:
+                self.layouts[node] = None
+                return
         for a, b in zip(sorted(groups), sorted(groups)[1:], strict=False):
             self.join(a, b)
         for param in tracked.whole_parameters:
@@ -224,24 +236,51 @@ class _Walk:
         if tracked.first_sharded in self.origins and len(tracked.groups()) == 1:
             self.origins[node] = self.origins[tracked.first_sharded]
 
-    def cut_parts(self, node: fx.Node, tracked: Tracked, groups: set[int]) -> bool:
+    def cut_parts(self, node: fx.Node, tracked: Tracked, groups: set[int], layout: Any) -> Any:
         """Record the ranges `node` cuts from a Linear's output, in that Linear's output
-        features; break the chain (False) when the value cut is not a Linear's whole output."""
-        value, layout = tracked.source()
+        features, and give each part its layout: split when its size on the sharded dim (heads,
+        after a view into heads) divides by the degree, else kept whole (`Whole`). None (the
+        chain broken) when the value cut is not a Linear's whole output."""
+        value, sharded = tracked.source()
         origin = self.origins.get(value)
-        width = tensor_shape(value)[layout.dim]  # type: ignore[index]
+        width = tensor_shape(value)[sharded.dim]  # type: ignore[index]
         features = self.linears[origin].out_features if origin is not None else 0
         if origin is None or features % width:
             self.break_chains(node, groups, "it slices the sharded dim")
-            return False
+            return None
         unit = features // width  # features per index of the sharded dim (a head's width)
-        spans = self.chain(layout.group).cuts.setdefault(origin, set())
-        spans.update((start * unit, stop * unit) for start, stop in tracked.cuts)
-        return True
+        parts = []
+        for start, stop in tracked.cuts:
+            split = (stop - start) % self.size == 0
+            if not split and not self.whole_parts:
+                self.break_chains(
+                    node,
+                    groups,
+                    f"it cuts a part of {stop - start} on the sharded dim, which does not "
+                    f"divide by {self.size} (kept whole beside the split parts only under tp "
+                    "alone)",
+                )
+                return None
+            parts.append(sharded if split else Whole(sharded.group))
+        spans = self.chain(sharded.group).cuts.setdefault(origin, set())
+        spans.update(
+            (start * unit, stop * unit, isinstance(part, Sharded))
+            for (start, stop), part in zip(tracked.cuts, parts, strict=True)
+        )
+        return tuple(parts) if isinstance(layout, tuple) else parts[0]
+
+    def carry_whole(self, node: fx.Node, groups: set[int]) -> Any:
+        """An op on parts kept whole (and replicated values): the part's shape ops, its rotary,
+        its KV cache's concatenation. Its output is kept whole too (and checked where it is
+        read); values of two chains, or a Linear, break."""
+        if node.op != "call_function" or len(groups) != 1:
+            self.break_chains(node, groups, f"{_describe(node)} reads a part kept whole")
+            return None
+        return Whole(next(iter(groups)))
 
     def layout_of(self, node: fx.Node) -> Any:
         layout = self.layouts.get(node)
-        if isinstance(layout, Sharded) and self.chain(layout.group).breaks:
+        if isinstance(layout, (Sharded, Whole)) and self.chain(layout.group).breaks:
             return None  # a broken chain is replicated: its values are whole
         return layout
 
@@ -250,6 +289,9 @@ class _Walk:
         source = node.args[1] if site.kind == "conv1d" else node.args[0]
         layout = self.layout_of(source) if isinstance(source, fx.Node) else None
         style = None if self.forced is None else self.forced.get(site.path, "replicate")
+        if isinstance(layout, Whole):
+            self.break_chains(node, {layout.group}, f"{site.path} reads a part kept whole")
+            return None
         if isinstance(layout, Sharded):
             ndim = len(tensor_shape(source) or ())
             if layout.dim != ndim - 1 or (style is not None and style != "rowwise"):
@@ -279,6 +321,8 @@ class _Walk:
         kept = len(flat) - state_outputs
         for index, value in enumerate(flat):
             layout = self.layout_of(value) if isinstance(value, fx.Node) else None
+            if isinstance(layout, Whole) and index < kept:
+                self.break_chains(value, {layout.group}, "a part kept whole leaves the region")
             if isinstance(layout, Sharded) and index < kept:
                 self.break_chains(
                     value,
@@ -326,7 +370,7 @@ class _Walk:
         chains = [self.chains[r] for r in roots]
         for chain in chains:
             for path, spans in chain.cuts.items():
-                self.fuse_cuts(chain, path, sorted(spans))
+                fuse_cuts(chain, path, sorted(spans), self.linears[path].out_features, self.size)
             for path in chain.colwise:
                 parts = chain.fused.get(path, 1)
                 features = self.linears[path].out_features
@@ -341,30 +385,6 @@ class _Walk:
                     self._conflict({roots[chains.index(chain)]}, chain.breaks[0])
                 )
         return ChainAnalysis(self.linears, chains)
-
-    def fuse_cuts(self, chain: Chain, path: str, spans: list[tuple[int, int]]) -> None:
-        """Cuts that tile the Linear's output are its fused parts: equal ones as `fused`,
-        unequal ones as `parts`; each must divide by the degree."""
-        features = self.linears[path].out_features
-        ends = [0] + [stop for _, stop in spans]
-        tiled = all(start == end for (start, _), end in zip(spans, ends, strict=False))
-        if not tiled or ends[-1] != features or path in chain.fused:
-            chain.breaks.append(
-                f"the graph cuts {path}'s {features} output features into {spans}, which are "
-                "not parts that cover them once each"
-            )
-            return
-        widths = tuple(stop - start for start, stop in spans)
-        uneven = [w for w in widths if w % self.size]
-        if uneven:
-            chain.breaks.append(
-                f"{path}'s output is cut into parts of {list(widths)} features, and {uneven[0]} "
-                f"does not divide by {self.size}"
-            )
-        elif len(set(widths)) == 1:
-            chain.fused[path] = len(widths)
-        else:
-            chain.parts[path] = widths
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:

@@ -46,26 +46,42 @@ class BlockPlan:
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     fused: dict[str, int] = field(default_factory=dict)
     fused_widths: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    fused_whole: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def derive_tp_plan(
-    program: Program, size: int, *, sequence_parallel: bool = False, loss_parallel: bool = False
+    program: Program,
+    size: int,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    whole_parts: bool = True,
 ) -> TpPlan:
-    """The auto plan for a degree of `size` (module path -> style, with the reason)."""
+    """The auto plan for a degree of `size` (module path -> style, with the reason).
+    `whole_parts=False`: no fused part kept whole beside split ones (under fsdp+tp)."""
     if size < 1:
         raise ValueError(f"tp size must be at least 1, got {size}")
     rules: dict[str, TpRule] = {}
     fixes: dict[str, dict[str, int]] = {}
     fused: dict[str, int] = {}
     fused_widths: dict[str, tuple[int, ...]] = {}
+    fused_whole: dict[str, tuple[int, ...]] = {}
     inputs = block_inputs(program)
     for region in program.regions:
-        block = plan_block(program, region, size, inputs.get(region.paths[0]), sequence_parallel)
+        block = plan_block(
+            program,
+            region,
+            size,
+            inputs.get(region.paths[0]),
+            sequence_parallel,
+            whole_parts=whole_parts,
+        )
         for base in region.paths:
             rules.update({join_path(base, p): rule for p, rule in block.rules.items()})
             fixes.update({join_path(base, p): dict(f) for p, f in block.fixes.items()})
             fused.update({join_path(base, p): n for p, n in block.fused.items()})
             fused_widths.update({join_path(base, p): w for p, w in block.fused_widths.items()})
+            fused_whole.update({join_path(base, p): w for p, w in block.fused_whole.items()})
     blocks = {path for region in program.regions for path in region.paths}
     named = list(program.module.named_modules())
     rules.update(outside_rules(named, rules, blocks, sequence_parallel))
@@ -82,6 +98,9 @@ def derive_tp_plan(
         fused={p: n for p, n in fused.items() if p in rules and rules[p].style == "colwise"},
         fused_widths={
             p: w for p, w in fused_widths.items() if p in rules and rules[p].style == "colwise"
+        },
+        fused_whole={
+            p: w for p, w in fused_whole.items() if p in rules and rules[p].style == "colwise"
         },
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
@@ -149,12 +168,14 @@ def plan_block(
     inputs,
     sequence_parallel: bool,
     forced: dict[str, str] | None = None,
+    *,
+    whole_parts: bool = True,
 ) -> BlockPlan:
     """One region's rules; with `forced` (a hand plan's styles, relative paths) a chain the
     block cannot run split is a HandPlanConflict instead of a replicated chain."""
     block = program.submodule(region.paths[0])
     plan = BlockPlan()
-    analysis = analyse_region(program, region, size, forced=forced)
+    analysis = analyse_region(program, region, size, forced=forced, whole_parts=whole_parts)
     if analysis is None:
         why = region.reason or "not captured yet (no example inputs)"
         for path, module in block.named_modules():
@@ -219,6 +240,12 @@ def chain_rules(chain: Chain, plan: BlockPlan) -> None:
                 reason += (
                     f"; its output is fused parts of {list(chain.parts[path])} features, each "
                     "split on its own"
+                )
+            if path in chain.whole_parts:
+                plan.fused_whole[path] = chain.whole_parts[path]
+                reason += (
+                    f" but parts {list(chain.whole_parts[path])}, kept whole on every rank "
+                    "(their heads do not divide; their gradients are summed over the ranks)"
                 )
             plan.rules[path] = TpRule(style="colwise", reason=reason)
         for path in chain.rowwise:

@@ -29,6 +29,16 @@ class Sharded:
     group: int
 
 
+@dataclass(frozen=True)
+class Whole:
+    """A part of chain `group`'s fused output that every rank holds whole (Falcon's one-head k
+    and v beside its split q): each rank's gradient of it is partial (only that rank's heads
+    read it), so it may only meet the chain's split values (attention, broadcast over their
+    heads) or leave as a KV cache's state; anything else breaks the chain."""
+
+    group: int
+
+
 def tensor_shape(node: Any) -> tuple[int, ...] | None:
     """The value's shape; a symbolic size (a graph serving several lengths) by its example value.
 
@@ -65,6 +75,8 @@ class Tracked:
     size: int
     fused_parts: int = 0
     cuts: list[tuple[int, int]] = field(default_factory=list)
+    constant: Callable[[Any], torch.Tensor | None] = lambda _node: None
+    """The value of a graph constant (an index tensor export lifted), None if not one."""
     """[start, stop) ranges of the sharded dim the op cuts out (slices; a split into unequal
     parts): parts of a fused projection when they tile its output (tp_chains)."""
     whole_parameters: list[str] = field(default_factory=list)
@@ -73,7 +85,7 @@ class Tracked:
         found = set()
         for layout in self.layouts.values():
             for item in layout if isinstance(layout, tuple) else (layout,):
-                if isinstance(item, Sharded):
+                if isinstance(item, (Sharded, Whole)):
                     found.add(item.group)
         return found
 

@@ -20,6 +20,7 @@ from retarget.passes.shard.tp_layout import (
     Rule,
     Sharded,
     Tracked,
+    Whole,
     op_name,
     tensor_shape,
     wrap_dim,
@@ -28,6 +29,7 @@ from retarget.passes.shard.tp_shape_rules import (
     cat,
     expand,
     getitem,
+    index,
     matrix_t,
     permute,
     reshape,
@@ -83,9 +85,16 @@ def pair(t: Tracked) -> tuple[Sharded, Sharded]:
 
 
 def attention(t: Tracked) -> Sharded:
-    """scaled_dot_product_attention: q, k and v split on the same heads dim; a mask broadcasts."""
+    """scaled_dot_product_attention: q, k and v split on the same heads dim (or k and v parts
+    kept whole with one head, which broadcasts over each rank's query heads); a mask
+    broadcasts."""
     q, k, v = t.node.args[:3]
     layouts = [t.layout(x) for x in (q, k, v)]
+    if all(isinstance(x, Whole) for x in layouts[1:]) and isinstance(layouts[0], Sharded):
+        heads = layouts[0].dim
+        if any(t.shapes(x)[heads] != 1 for x in (k, v)):
+            raise Break("attention reads k and v kept whole with more than one head")
+        layouts = [layouts[0]] * 3
     if not all(isinstance(x, Sharded) for x in layouts) or len({x.dim for x in layouts}) != 1:
         raise Break("attention reads q, k and v that are not all split on the same heads dim")
     dim, rank = layouts[0].dim, len(t.shapes(q))
@@ -175,6 +184,7 @@ LAYOUT_RULES: dict[Any, Rule] = {
     aten.expand.default: expand,
     aten.slice.Tensor: slice_,
     aten.select.int: select,
+    aten.index.Tensor: index,
     aten.split.Tensor: split,
     aten.split_with_sizes.default: split,
     aten.chunk.default: split,

@@ -141,6 +141,33 @@ def split(t: Tracked) -> tuple[Sharded, ...]:
     return tuple(Sharded(layout.dim, layout.group) for _ in parts)
 
 
+def index(t: Tracked) -> Sharded:
+    """Advanced indexing with one index tensor (`x[..., [-2], :]`): on another dim it keeps the
+    layout; on the sharded dim a constant run of consecutive indices is a cut."""
+    value, layout = t.source()
+    shape = t.shapes(value)
+    indices = list(t.node.args[1])
+    tensors = [i for i, x in enumerate(indices) if x is not None]
+    if len(tensors) != 1:
+        raise Break("it indexes with several index tensors")
+    dim = tensors[0]
+    constant = t.constant(indices[dim])
+    if constant is None or constant.ndim != 1 or constant.dtype not in (torch.long, torch.int):
+        if dim == layout.dim:
+            raise Break("it indexes the sharded dim with a computed index")
+        if constant is None or constant.ndim != 1:
+            raise Break("it indexes with an index tensor that is not one list of positions")
+        return layout
+    if dim != layout.dim:
+        return layout
+    positions = [int(i) % shape[dim] for i in constant.tolist()]
+    start = positions[0] if positions else 0
+    if positions != list(range(start, start + len(positions))) or not positions:
+        raise Break(f"it picks positions {positions} of the sharded dim")
+    t.cuts.append((start, start + len(positions)))
+    return layout
+
+
 def getitem(t: Tracked) -> Any:
     container, index = t.node.args
     layout = t.layout(container)

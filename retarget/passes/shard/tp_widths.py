@@ -95,8 +95,9 @@ class WidthCheck:
         widths = set(chain.widths)
         for path, parts in chain.fused.items():
             widths.add(self.linears[path].out_features // parts)
-        for parts in chain.parts.values():
-            widths.update(parts)
+        for path, parts in chain.parts.items():  # the split ones: a part kept whole keeps
+            whole = chain.whole_parts.get(path, ())  # its width (and a head's, often equal)
+            widths.update(w for i, w in enumerate(parts) if i not in whole)
         found = []
         for path, module in self.block.named_modules():
             if path not in _owners(chain):
@@ -254,12 +255,17 @@ def shares(
                 site = linears[path]
                 colwise = path in chain.colwise
                 parts = chain.parts.get(path) or chain.fused.get(path, 1)
+                whole = chain.whole_parts.get(path, ())
                 for name in ("weight", "bias"):
                     tensor = module._parameters.get(name)
                     if tensor is None or (name == "bias" and not colwise):
                         continue
                     saved.append((module, name, tensor))
                     share = _share(tensor.detach(), name, site.kind, colwise, parts, size, rank)
+                    if whole:
+                        share = _whole_parts_share(
+                            tensor.detach(), name, site.kind, parts, whole, size, rank
+                        )
                     module._parameters[name] = nn.Parameter(share, requires_grad=False)
         yield
     finally:
@@ -290,6 +296,25 @@ def _share(
     else:
         pieces = tensor.chunk(parts, dim)
     mine = [p.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size) for p in pieces]
+    return torch.cat(mine, dim).clone()
+
+
+def _whole_parts_share(
+    tensor: torch.Tensor,
+    name: str,
+    kind: str,
+    widths: tuple[int, ...],
+    whole: tuple[int, ...],
+    size: int,
+    rank: int,
+) -> torch.Tensor:
+    """A colwise share of fused parts some of which every rank holds whole."""
+    dim = 0 if name == "bias" or kind != "conv1d" else 1
+    pieces = tensor.split(list(widths), dim)
+    mine = [
+        p if i in whole else p.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size)
+        for i, p in enumerate(pieces)
+    ]
     return torch.cat(mine, dim).clone()
 
 

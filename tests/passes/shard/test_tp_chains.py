@@ -9,9 +9,9 @@ from torch import nn
 from retarget.passes.shard.tp_chains import HandPlanConflict, find_chains
 
 
-def _chains(module: nn.Module, *inputs, size: int = 2, forced=None):
+def _chains(module: nn.Module, *inputs, size: int = 2, forced=None, **kwargs):
     gm = torch.export.export(module, inputs, strict=False).module()
-    return find_chains(gm, module, size, forced=forced)
+    return find_chains(gm, module, size, forced=forced, **kwargs)
 
 
 class EagerAttention(nn.Module):
@@ -160,6 +160,35 @@ def test_slices_that_tile_the_output_are_fused_parts_of_unequal_widths():
     equal = UnequalParts(spans=((0, 16), (16, 32), (32, 48)))
     equal.qkv, equal.o = nn.Linear(16, 48), nn.Linear(16, 16)
     assert _chains(equal, torch.randn(2, 5, 16)).chains[0].fused == {"qkv": 3}
+
+
+class MultiQuery(nn.Module):
+    """Falcon's multi-query attention: one projection viewed as 4 query heads and one key and
+    one value head, picked by index; k and v broadcast over the query heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(32, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.qkv(x).view(b, s, 6, 8)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k * 0.5, v)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, -1)), k
+
+
+def test_one_head_parts_are_kept_whole_beside_the_split_query_heads():
+    x = torch.randn(2, 5, 16)
+    (chain,) = _chains(MultiQuery(), x, state_outputs=1).chains
+    assert chain.complete and chain.parts == {"qkv": (32, 8, 8)}
+    assert chain.whole_parts == {"qkv": (1, 2)}
+    # Left out of the cache, the part kept whole would leave the region: the chain breaks.
+    assert "a part kept whole leaves the region" in _chains(MultiQuery(), x).chains[0].breaks[0]
+    # Under fsdp+tp no part is kept whole: the cut breaks the chain, saying why.
+    chain = _chains(MultiQuery(), x, state_outputs=1, whole_parts=False).chains[0]
+    assert "a part of 1 on the sharded dim, which does not divide by 2" in chain.breaks[0]
 
 
 def test_slices_with_a_gap_or_a_part_that_does_not_divide_break_the_chain():

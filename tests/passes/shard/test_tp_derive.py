@@ -189,6 +189,31 @@ def test_phi3_qkv_of_unequal_parts_is_split_part_by_part_with_its_widths_fixed()
     assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
 
 
+def test_falcon_multi_query_splits_q_and_keeps_its_one_head_k_and_v_whole():
+    """Falcon's default attention is multi-query: q|k|v of n heads, one and one, viewed as n+2
+    heads and picked by index. k and v have one head, which no rank can take a slice of: every
+    rank holds them whole beside its slice of q (under fsdp+tp the chain is replicated)."""
+    from retarget.passes.shard.shard_tp import per_rank_of
+
+    program = _program("falcon")
+    config = program.module.config
+    assert config.multi_query and not config.new_decoder_architecture
+    width = config.hidden_size // config.num_attention_heads
+    plan = derive_tp_plan(program, 2)
+    qkv = "transformer.h.0.self_attention.query_key_value"
+    assert (
+        plan.rules[qkv].style == "colwise" and "kept whole on every rank" in plan.rules[qkv].reason
+    )
+    assert plan.fused_widths[qkv] == (config.hidden_size, width, width)
+    assert plan.fused_whole[qkv] == (1, 2)
+    heads = {"num_heads": config.num_attention_heads // 2}
+    assert plan.attribute_fixes["transformer.h.0.self_attention"] == heads
+    mine, total = per_rank_of(program, plan, program.submodule("transformer.h.0"))
+    assert mine <= 0.55 * total
+    fsdp_tp = derive_tp_plan(program, 2, whole_parts=False)
+    assert fsdp_tp.rules[qkv].style == "replicate" and "tp alone" in fsdp_tp.rules[qkv].reason
+
+
 @pytest.fixture(scope="module")
 def gpt2():
     return _program("gpt2")
