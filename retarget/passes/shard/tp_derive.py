@@ -33,7 +33,7 @@ from retarget.ir.region import Region
 from retarget.passes.capture.capture_regions import record_inputs
 from retarget.passes.shard.tp_chains import Chain, ChainAnalysis, HandPlanConflict, find_chains
 from retarget.passes.shard.tp_layout import tensor_shape
-from retarget.passes.shard.tp_params import is_linear_like, is_norm, plan_numel
+from retarget.passes.shard.tp_params import fused_rows, is_linear_like, is_norm, plan_numel
 from retarget.passes.shard.tp_sequence import linears_in_blocks, sequence_rules, stream_boundaries
 from retarget.passes.shard.tp_widths import WidthCheck
 
@@ -89,7 +89,8 @@ def derive_tp_plan(
     rules = {path: rules[path] for path, _ in named if path in rules}
     if sequence_parallel:
         rules = split_sequence(program, rules, named)
-    per_rank, total = plan_numel(program.module, rules, size)
+    kept = {p: w for p, w in fused_whole.items() if p in rules and rules[p].style == "colwise"}
+    per_rank, total = plan_numel(program.module, rules, size, fused_rows(fused_widths, kept, size))
     return TpPlan(
         size=size,
         source="auto",
@@ -99,9 +100,7 @@ def derive_tp_plan(
         fused_widths={
             p: w for p, w in fused_widths.items() if p in rules and rules[p].style == "colwise"
         },
-        fused_whole={
-            p: w for p, w in fused_whole.items() if p in rules and rules[p].style == "colwise"
-        },
+        fused_whole=kept,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         per_rank_numel=per_rank,

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from retarget.core.plans import TpPlan, TpRule
+from retarget.core.tp_split_dims import RowOrder
 
 #: Styles that split a module's weight (and which of its parameters they split).
 SPLIT_PARAMETERS = {
@@ -46,14 +47,19 @@ def tp_per_rank_params(
     rules: Mapping[str, TpRule] | TpPlan,
     size: int = 0,
     modules: Mapping[str, nn.Module] | None = None,
+    held_rows: Mapping[str, int] | None = None,
 ):
     """Per module of the plan: (elements rank 0 holds, elements in all), of its own parameters.
+    `held_rows`: module path -> the rows of its split dim each rank holds, where that is not
+    1/N (fused parts kept whole on every rank beside split ones: `fused_rows`).
 
     >>> tp_per_rank_params(model, plan)["model.layers.0.mlp.up_proj"]
     (4096, 8192)
     """
     if isinstance(rules, TpPlan):
+        held_rows = fused_rows(rules.fused_widths, rules.fused_whole, rules.size)
         size, rules = rules.size, rules.rules
+    held_rows = held_rows or {}
     if modules is None:
         modules = dict(model.named_modules(remove_duplicate=False))
     counts = {}
@@ -63,7 +69,10 @@ def tp_per_rank_params(
         local = total = 0
         for name, param in _own_parameters(module):
             total += param.numel()
-            if name in split and param.dim() >= 1:
+            if name in split and param.dim() >= 1 and path in held_rows:
+                rows = param.shape[_split_dim(module, name, rule)]
+                local += param.numel() // rows * held_rows[path]
+            elif name in split and param.dim() >= 1:
                 local += _local(param.numel(), param.shape[_split_dim(module, name, rule)], size)
             else:
                 local += param.numel()
@@ -91,12 +100,27 @@ def param_rows_first(module: nn.Module, rule: TpRule) -> bool:
     return colwise != conv1d
 
 
-def plan_numel(model: nn.Module, rules: Mapping[str, TpRule], size: int) -> tuple[int, int]:
+def fused_rows(
+    widths: Mapping[str, tuple[int, ...]], whole: Mapping[str, tuple[int, ...]], size: int
+) -> dict[str, int]:
+    """Module path -> rows of the split dim each rank holds, for fused parts some of which are
+    kept whole on every rank (Falcon's k and v; `whole` names them by index)."""
+    return {
+        path: RowOrder(0, widths[path], size, kept).local_rows() for path, kept in whole.items()
+    }
+
+
+def plan_numel(
+    model: nn.Module,
+    rules: Mapping[str, TpRule],
+    size: int,
+    held_rows: Mapping[str, int] | None = None,
+) -> tuple[int, int]:
     """(parameter elements rank 0 holds, parameter elements of the model), tied ones once."""
     modules = dict(model.named_modules(remove_duplicate=False))
     seen = {id(p): p.numel() for m in modules.values() for _, p in _own_parameters(m)}
     total = sum(seen.values())
-    counts = tp_per_rank_params(model, rules, size, modules)
+    counts = tp_per_rank_params(model, rules, size, modules, held_rows)
     saved = 0
     counted = set()
     for path, (local, full) in counts.items():

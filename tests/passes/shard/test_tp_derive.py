@@ -210,6 +210,8 @@ def test_falcon_multi_query_splits_q_and_keeps_its_one_head_k_and_v_whole():
     assert plan.attribute_fixes["transformer.h.0.self_attention"] == heads
     mine, total = per_rank_of(program, plan, program.submodule("transformer.h.0"))
     assert mine <= 0.55 * total
+    # The plan's own count holds k and v on every rank, as the pass's recount does.
+    assert (plan.per_rank_numel, plan.total_numel) == per_rank_of(program, plan, program.module)
     fsdp_tp = derive_tp_plan(program, 2, whole_parts=False)
     assert fsdp_tp.rules[qkv].style == "replicate" and "tp alone" in fsdp_tp.rules[qkv].reason
 
