@@ -31,8 +31,8 @@ from retarget.core.world import World
 from retarget.execution.module_call import own_forward
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
 from retarget.passes.memory.measure import format_bytes
-from retarget.passes.shard.shard_tp import fsdp_shapes
 from retarget.passes.shard.stage_cuts import stage_parameters
+from retarget.passes.shard.tp_params import fsdp_shapes
 from retarget.spec.grammar import Target, parse_target
 from retarget.spec.strategies import STRATEGY
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from retarget.ir.program import Program
-from retarget.passes.shard.shard_tp import fsdp_shapes
 from retarget.passes.shard.stage_cuts import stage_parameters
+from retarget.passes.shard.tp_params import fsdp_shapes
 
 ROOT_UNIT = ""
 

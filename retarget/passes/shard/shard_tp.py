@@ -44,9 +44,7 @@ from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import TP_STYLES, TpPlan, TpRule
 from retarget.core.tp_split_dims import (
     COLWISE_STYLES,
-    RowOrder,
     get_width,
-    local_numel,
     module_kind,
     split_dims,
 )
@@ -54,6 +52,7 @@ from retarget.execution.apply_tp import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
+from retarget.passes.shard.tp_params import per_rank_of
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import FSDP_STRATEGIES
 
@@ -347,84 +346,6 @@ def _check_rule(program: Program, plan: TpPlan, path: str, rule: TpRule) -> None
             raise TargetNotSupportedError(
                 f"{where}: {name} dim {dim} ({what}) does not split evenly into {size}"
             )
-
-
-def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, int]:
-    """(elements one rank holds, elements in all) of `root`'s parameters under `plan` (a
-    parameter shared by two modules counts once, as its first module splits it)."""
-    styles = {id(program.submodule(p)): r.style for p, r in plan.rules.items()}
-    paths = {id(program.submodule(p)): p for p in plan.fused_widths}
-    mine = total = 0
-    seen: set[int] = set()
-    for module in root.modules():
-        kind = module_kind(module)
-        dims = split_dims(kind, styles.get(id(module), "replicate")) if kind else {}
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            total += param.numel()
-            shape = _local_shape(plan, paths.get(id(module)), tuple(param.shape), dims.get(name))
-            mine += local_numel(shape, None, plan.size)
-    return mine, total
-
-
-def _local_shape(
-    plan: TpPlan, path: str | None, shape: tuple[int, ...], dim: int | None
-) -> tuple[int, ...]:
-    """The shape one tp rank holds of a parameter split on `dim` (None: whole); fused parts
-    kept whole count on every rank."""
-    if dim is None:
-        return shape
-    local = list(shape)
-    if path is not None and path in plan.fused_widths:
-        widths, whole = plan.fused_widths[path], plan.fused_whole.get(path, ())
-        local[dim] = RowOrder(dim, widths, plan.size, whole).local_rows()
-    else:
-        local[dim] //= plan.size
-    return tuple(local)
-
-
-def fsdp_shapes(
-    program: Program, plan: TpPlan, dp: int
-) -> tuple[dict[int, tuple[int, ...]], set[int]]:
-    """fsdp+tp: what FSDP2 then shards over the `dp` ranks of each split parameter.
-
-    Returns id(parameter) -> the tp rank's shape with the dim FSDP2 chunks moved first, and the
-    ids each dp rank keeps whole. FSDP2 chunks dim 0, except for fused parts split on dim 0
-    (GPT-2's c_attn bias): execution/tp_fsdp.py shards those on the first other dim `dp` divides,
-    or keeps them whole on every dp rank when there is none.
-    """
-    shapes: dict[int, tuple[int, ...]] = {}
-    whole: set[int] = set()
-    for param, shape, fused_dim_0 in _split_parameters(program, plan):
-        if fused_dim_0 and dp > 1:
-            dim = next((d for d in range(1, len(shape)) if shape[d] % dp == 0), None)
-            if dim is None:
-                whole.add(id(param))
-            else:
-                shape = (shape[dim], *shape[:dim], *shape[dim + 1 :])
-        shapes[id(param)] = shape
-    return shapes, whole
-
-
-def _split_parameters(program: Program, plan: TpPlan) -> list[tuple[Any, tuple[int, ...], bool]]:
-    """(parameter, the shape one tp rank holds, whether it is fused parts split on dim 0) for
-    each parameter the plan splits, once each."""
-    found: list[tuple[Any, tuple[int, ...], bool]] = []
-    seen: set[int] = set()
-    for path, rule in plan.rules.items():
-        module = program.submodule(path)
-        kind = module_kind(module)
-        fused = plan.fused.get(path, 1) > 1
-        for name, dim in (split_dims(kind, rule.style) if kind else {}).items():
-            param = getattr(module, name, None)
-            if param is None or dim is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            shape = _local_shape(plan, path, tuple(param.shape), dim)
-            found.append((param, shape, fused and dim == 0))
-    return found
 
 
 def _with_counts(plan: TpPlan, program: Program) -> TpPlan:

@@ -31,41 +31,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import torch
 from torch import fx, nn
 
-from retarget.execution.autocast import cast_weight_linear
 from retarget.passes.shard.tp_fused_parts import fuse_cuts, lifted_constant
-from retarget.passes.shard.tp_layout import CASTS, Break, Sharded, Tracked, Whole, tensor_shape
+from retarget.passes.shard.tp_layout import Break, Sharded, Tracked, Whole, tensor_shape
 from retarget.passes.shard.tp_layout_rules import layout_rule
-
-#: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight.
-LINEAR_FUNCTIONS = (
-    torch.ops.aten.linear.default,
-    torch._C._nn.linear,
-    torch.nn.functional.linear,
-    cast_weight_linear,  # insert_autocast's graph form: (x, the float32 weight, bias, dtype)
-)
-#: `addmm(b, x, W)` with W of shape (in, out): HF's Conv1D (GPT-2).
-ADDMM = torch.ops.aten.addmm.default
-MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.mm.default)
-TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
+from retarget.passes.shard.tp_linear_sites import LinearSite, linear_site
 
 
 class HandPlanConflict(ValueError):
     """A hand plan splits a module in a way the region's graph cannot run."""
-
-
-@dataclass
-class LinearSite:
-    """A Linear the graph computes: its module path (relative to the region root)."""
-
-    path: str
-    node: str
-    in_features: int
-    out_features: int
-    kind: str
-    """linear (weight out x in) or conv1d (HF Conv1D: weight in x out)."""
 
 
 @dataclass
@@ -188,7 +163,7 @@ class _Walk:
         if node.op == "output":
             self.visit_output(node, state_outputs)
             return
-        site = self.linear_site(node)
+        site = linear_site(node, self.root)
         if site is not None:
             self.layouts[node] = self.visit_linear(node, site)
             return
@@ -330,41 +305,6 @@ class _Walk:
                     "the value leaves the region sharded (no row-wise Linear)",
                 )
 
-    def linear_site(self, node: fx.Node) -> LinearSite | None:
-        if node.op == "call_module":
-            module = _submodule(self.root, str(node.target))
-            if isinstance(module, nn.Linear):
-                return LinearSite(
-                    str(node.target), node.name, module.in_features, module.out_features, "linear"
-                )
-            return None
-        if node.op != "call_function":
-            return None
-        if node.target in MATMULS:
-            return self.transposed_weight_site(node)
-        if node.target not in (*LINEAR_FUNCTIONS, ADDMM):
-            return None
-        weight = node.args[1] if node.target not in (ADDMM,) else node.args[2]
-        path = _weight_owner(weight)
-        if path is None:
-            return None
-        module = self.root.get_submodule(path)
-        shape = tuple(module.weight.shape)
-        if node.target is ADDMM:
-            return LinearSite(path, node.name, shape[0], shape[1], "conv1d")
-        return LinearSite(path, node.name, shape[1], shape[0], "linear")
-
-    def transposed_weight_site(self, node: fx.Node) -> LinearSite | None:
-        """`x @ W.T` written out (Falcon's Linear): a matmul with a transposed Linear weight."""
-        weight = node.args[1]
-        if not (isinstance(weight, fx.Node) and weight.target in TRANSPOSES):
-            return None
-        path = _weight_owner(weight.args[0])
-        module = _submodule(self.root, path) if path is not None else None
-        if not isinstance(module, nn.Linear):
-            return None
-        return LinearSite(path, node.name, module.in_features, module.out_features, "linear")
-
     def result(self) -> ChainAnalysis:
         roots = sorted({self.find(g) for g in range(len(self.parents))})
         chains = [self.chains[r] for r in roots]
@@ -385,23 +325,6 @@ class _Walk:
                     self._conflict({roots[chains.index(chain)]}, chain.breaks[0])
                 )
         return ChainAnalysis(self.linears, chains)
-
-
-def _submodule(root: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(path)
-    except AttributeError:  # a graph-private module (export's guard function)
-        return None
-
-
-def _weight_owner(node: Any) -> str | None:
-    """P when `node` is `get_attr P.weight`, or a dtype cast of it (the weight a graph-form
-    autocast casts is still that module's weight, split like it)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS:
-        node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "get_attr" and node.target.endswith(".weight"):
-        return node.target[: -len(".weight")]
-    return None
 
 
 def _flatten(value: Any) -> list[Any]:

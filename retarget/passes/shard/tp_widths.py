@@ -13,7 +13,9 @@ broadcasts it). When it fails, the int attributes that hold a width the chain sp
 count, a feature width), on the chain's column-wise Linears and the modules above its Linears
 (and on their `config`, which a module then gets a copy of: Phi3's attention reads its query
 width from `config.num_attention_heads`), are divided by N, all together, then each put back
-while the run still passes: what is left are the attributes the code reads
+while the shapes still match, and what is left must give the right values (else the same again,
+checking the values at each step, which costs a forward per rank and row-wise call): what is
+left are the attributes the code reads
 (`TpPlan.attribute_fixes`), less those on the split Linears themselves (here they run on plain
 slices; split by torch's styles, on whole-size DTensors). A chain no fix lets run is broken,
 with the error as its reason.
@@ -38,7 +40,8 @@ from retarget.frontends.check import preserved_state
 from retarget.frontends.state import copy_state_args
 from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.region import running_eagerly
-from retarget.passes.shard.tp_chains import Chain, LinearSite
+from retarget.passes.shard.tp_chains import Chain
+from retarget.passes.shard.tp_linear_sites import LinearSite
 
 Fix = tuple[str, str, int]
 """(module path relative to the block, attribute, value on each rank)."""
@@ -84,12 +87,21 @@ class WidthCheck:
         candidates = self.candidates(chain)
         if not candidates or not self.runs([chain], candidates)[0]:
             return [], f"the block's code fails on one rank's share ({why})"
+        # Put fixes back while the shapes still match (one forward each), then check the
+        # values of what is left; only when those differ, again with the values checked each
+        # time (a forward per rank and row-wise call each).
+        needed = self._fewest([chain], candidates, values=False)
+        if not self.runs([chain], needed)[0]:
+            needed = self._fewest([chain], candidates, values=True)
+        return needed, ""
+
+    def _fewest(self, chains: list[Chain], candidates: list[Fix], *, values: bool) -> list[Fix]:
         needed = list(candidates)
         for fix in candidates:
             trial = [f for f in needed if f != fix]
-            if self.runs([chain], trial)[0]:
+            if self.runs(chains, trial, values=values)[0]:
                 needed = trial
-        return needed, ""
+        return needed
 
     def candidates(self, chain: Chain) -> list[Fix]:
         widths = set(chain.widths)
@@ -107,13 +119,15 @@ class WidthCheck:
                     found.append((path, name, value // self.size))
         return found
 
-    def runs(self, chains: list[Chain], fixes: list[Fix]) -> tuple[bool, str]:
+    def runs(
+        self, chains: list[Chain], fixes: list[Fix], *, values: bool = True
+    ) -> tuple[bool, str]:
         ok, got = self._run(chains, fixes)
         if not ok:
             return False, got
         if got != self.expected:
             return False, f"output shapes {got}, expected {self.expected}"
-        return self.same_values(chains, fixes)
+        return self.same_values(chains, fixes) if values else (True, "")
 
     def same_values(self, chains: list[Chain], fixes: list[Fix]) -> tuple[bool, str]:
         """The split computed in one process: every rank's share run in turn, the row-wise

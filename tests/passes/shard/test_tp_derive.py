@@ -182,7 +182,7 @@ def test_phi3_qkv_of_unequal_parts_is_split_part_by_part_with_its_widths_fixed()
         "num_key_value_heads": kv_heads // 2,
         "config.num_attention_heads": heads // 2,
     }
-    from retarget.passes.shard.shard_tp import per_rank_of
+    from retarget.passes.shard.tp_params import per_rank_of
 
     mine, total = per_rank_of(program, plan, program.submodule("model.layers.0"))
     assert mine <= 0.51 * total
@@ -193,7 +193,7 @@ def test_falcon_multi_query_splits_q_and_keeps_its_one_head_k_and_v_whole():
     """Falcon's default attention is multi-query: q|k|v of n heads, one and one, viewed as n+2
     heads and picked by index. k and v have one head, which no rank can take a slice of: every
     rank holds them whole beside its slice of q (under fsdp+tp the chain is replicated)."""
-    from retarget.passes.shard.shard_tp import per_rank_of
+    from retarget.passes.shard.tp_params import per_rank_of
 
     program = _program("falcon")
     config = program.module.config
