@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -123,8 +124,8 @@ class RowOrder:
     def local_rows(self) -> int:
         return sum(w if i in self.whole else w // self.size for i, w in enumerate(self.widths))
 
-    def stored_rows(self) -> torch.Tensor:
-        """For each stored row, the row of the model's tensor it holds."""
+    @cached_property
+    def _stored(self) -> torch.Tensor:
         rows: list[int] = []
         for rank in range(self.size):
             offset = 0
@@ -137,6 +138,23 @@ class RowOrder:
                 offset += width
         return torch.tensor(rows, dtype=torch.long)
 
+    @cached_property
+    def _first(self) -> torch.Tensor:
+        """For each row of the model's tensor, the first stored row holding it."""
+        first = torch.full((sum(self.widths),), len(self._stored), dtype=torch.long)
+        positions = torch.arange(len(self._stored))
+        return first.scatter_reduce_(0, self._stored, positions, reduce="amin")
+
+    def stored_rows(self) -> torch.Tensor:
+        """For each stored row, the row of the model's tensor it holds."""
+        return self._stored
+
+    def rank_rows(self, rank: int) -> torch.Tensor:
+        """The rows of the model's tensor `rank` holds, in its local order."""
+        local = self.local_rows()
+        return self._stored[rank * local : (rank + 1) * local]
+
+    @cached_property
     def whole_rows(self) -> torch.Tensor:
         """The positions, among one rank's local rows, of the parts every rank holds whole."""
         rows: list[int] = []
@@ -149,12 +167,8 @@ class RowOrder:
         return torch.tensor(rows, dtype=torch.long)
 
     def to_stored(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.index_select(self.dim, self.stored_rows().to(tensor.device))
+        return tensor.index_select(self.dim, self._stored.to(tensor.device))
 
     def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
         """The model's tensor from the stored one (of a row held by every rank, rank 0's)."""
-        stored = self.stored_rows().tolist()
-        first = [0] * sum(self.widths)
-        for position in reversed(range(len(stored))):
-            first[stored[position]] = position
-        return tensor.index_select(self.dim, torch.tensor(first, device=tensor.device))
+        return tensor.index_select(self.dim, self._first.to(tensor.device))

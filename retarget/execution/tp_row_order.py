@@ -43,16 +43,14 @@ def keep_model_order(module: nn.Module, orders: dict[str, RowOrder], group: Any)
 ROW_ORDERS = "_retarget_tp_row_orders"
 
 
-def _sum_whole_rows(order: RowOrder, group: Any, grad: torch.Tensor) -> torch.Tensor:
+def _sum_whole_rows(order: RowOrder, group: Any, grad: DTensor) -> DTensor:
     """The gradient with the rows of the parts every rank holds whole summed over `group`
     (before it is accumulated into .grad, so accumulation windows stay exact)."""
-    local = grad.to_local().clone() if isinstance(grad, DTensor) else grad.clone()
-    rows = order.whole_rows().to(local.device)
+    local = grad.to_local().clone()  # the parameter is a DTensor, and so its gradient
+    rows = order.whole_rows.to(local.device)
     summed = local.index_select(order.dim, rows)
     dist.all_reduce(summed, group=group)
     local.index_copy_(order.dim, rows, summed)
-    if not isinstance(grad, DTensor):
-        return local
     return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 

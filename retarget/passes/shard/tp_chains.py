@@ -100,17 +100,23 @@ def find_chains(
     styles (a hand plan); unlisted Linears are replicated. `whole_parts=False`: a fused part
     whose heads do not divide by the degree breaks its chain instead of being kept whole.
     """
-    walk = _Walk(gm, root, size, forced)
-    walk.whole_parts = whole_parts
+    walk = _Walk(gm, root, size, forced, whole_parts)
     for node in gm.graph.nodes:
         walk.visit(node, state_outputs)
     return walk.result()
 
 
 class _Walk:
-    def __init__(self, gm: fx.GraphModule, root: nn.Module, size: int, forced: dict | None):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        root: nn.Module,
+        size: int,
+        forced: dict | None,
+        whole_parts: bool,
+    ):
         self.gm, self.root, self.size, self.forced = gm, root, size, forced
-        self.whole_parts = True
+        self.whole_parts = whole_parts
         self.layouts: dict[fx.Node, Any] = {}
         self.parents: list[int] = []
         self.chains: list[Chain] = []

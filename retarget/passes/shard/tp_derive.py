@@ -24,6 +24,7 @@ example checks that nothing but the blocks and the final norm computes on the st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -89,18 +90,20 @@ def derive_tp_plan(
     rules = {path: rules[path] for path, _ in named if path in rules}
     if sequence_parallel:
         rules = split_sequence(program, rules, named)
-    kept = {p: w for p, w in fused_whole.items() if p in rules and rules[p].style == "colwise"}
-    per_rank, total = plan_numel(program.module, rules, size, fused_rows(fused_widths, kept, size))
+
+    def colwise(by_path: dict[str, Any]) -> dict[str, Any]:  # fused parts of the split ones
+        return {p: v for p, v in by_path.items() if p in rules and rules[p].style == "colwise"}
+
+    widths, whole = colwise(fused_widths), colwise(fused_whole)
+    per_rank, total = plan_numel(program.module, rules, size, fused_rows(widths, whole, size))
     return TpPlan(
         size=size,
         source="auto",
         rules=rules,
         attribute_fixes=fixes,
-        fused={p: n for p, n in fused.items() if p in rules and rules[p].style == "colwise"},
-        fused_widths={
-            p: w for p, w in fused_widths.items() if p in rules and rules[p].style == "colwise"
-        },
-        fused_whole=kept,
+        fused=colwise(fused),
+        fused_widths=widths,
+        fused_whole=whole,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         per_rank_numel=per_rank,

@@ -75,10 +75,10 @@ class Tracked:
     size: int
     fused_parts: int = 0
     cuts: list[tuple[int, int]] = field(default_factory=list)
-    constant: Callable[[Any], torch.Tensor | None] = lambda _node: None
-    """The value of a graph constant (an index tensor export lifted), None if not one."""
     """[start, stop) ranges of the sharded dim the op cuts out (slices; a split into unequal
     parts): parts of a fused projection when they tile its output (tp_chains)."""
+    constant: Callable[[Any], torch.Tensor | None] = lambda _node: None
+    """The value of a graph constant (an index tensor export lifted), None if not one."""
     whole_parameters: list[str] = field(default_factory=list)
 
     def groups(self) -> set[int]:

@@ -143,7 +143,8 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
     """(elements one rank holds, elements in all) of `root`'s parameters under `plan` (a
     parameter shared by two modules counts once, as its first module splits it)."""
     styles = {id(program.submodule(p)): r.style for p, r in plan.rules.items()}
-    paths = {id(program.submodule(p)): p for p in plan.fused_widths}
+    held = fused_rows(plan.fused_widths, plan.fused_whole, plan.size)
+    held_by_module = {id(program.submodule(p)): rows for p, rows in held.items()}
     mine = total = 0
     seen: set[int] = set()
     for module in root.modules():
@@ -154,24 +155,21 @@ def per_rank_of(program: Program, plan: TpPlan, root: nn.Module) -> tuple[int, i
                 continue
             seen.add(id(param))
             total += param.numel()
-            shape = _local_shape(plan, paths.get(id(module)), tuple(param.shape), dims.get(name))
+            rows = held_by_module.get(id(module))
+            shape = _local_shape(tuple(param.shape), dims.get(name), plan.size, rows)
             mine += local_numel(shape, None, plan.size)
     return mine, total
 
 
 def _local_shape(
-    plan: TpPlan, path: str | None, shape: tuple[int, ...], dim: int | None
+    shape: tuple[int, ...], dim: int | None, size: int, held_rows: int | None
 ) -> tuple[int, ...]:
-    """The shape one tp rank holds of a parameter split on `dim` (None: whole); fused parts
-    kept whole count on every rank."""
+    """The shape one tp rank holds of a parameter split on `dim` (None: whole): 1/`size` of
+    it, or `held_rows` rows (fused parts kept whole on every rank: `fused_rows`)."""
     if dim is None:
         return shape
     local = list(shape)
-    if path is not None and path in plan.fused_widths:
-        widths, whole = plan.fused_widths[path], plan.fused_whole.get(path, ())
-        local[dim] = RowOrder(dim, widths, plan.size, whole).local_rows()
-    else:
-        local[dim] //= plan.size
+    local[dim] = local[dim] // size if held_rows is None else held_rows
     return tuple(local)
 
 
@@ -203,6 +201,7 @@ def _split_parameters(program: Program, plan: TpPlan) -> list[tuple[Any, tuple[i
     each parameter the plan splits, once each."""
     found: list[tuple[Any, tuple[int, ...], bool]] = []
     seen: set[int] = set()
+    held = fused_rows(plan.fused_widths, plan.fused_whole, plan.size)
     for path, rule in plan.rules.items():
         module = program.submodule(path)
         kind = module_kind(module)
@@ -212,6 +211,6 @@ def _split_parameters(program: Program, plan: TpPlan) -> list[tuple[Any, tuple[i
             if param is None or dim is None or id(param) in seen:
                 continue
             seen.add(id(param))
-            shape = _local_shape(plan, path, tuple(param.shape), dim)
+            shape = _local_shape(tuple(param.shape), dim, plan.size, held.get(path))
             found.append((param, shape, fused and dim == 0))
     return found

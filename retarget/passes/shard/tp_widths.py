@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from retarget.core.tp_split_dims import set_width
+from retarget.core.tp_split_dims import RowOrder, set_width, split_dims
 from retarget.frontends import one_line
 from retarget.frontends.check import preserved_state
 from retarget.frontends.state import copy_state_args
@@ -275,11 +275,9 @@ def shares(
                     if tensor is None or (name == "bias" and not colwise):
                         continue
                     saved.append((module, name, tensor))
-                    share = _share(tensor.detach(), name, site.kind, colwise, parts, size, rank)
-                    if whole:
-                        share = _whole_parts_share(
-                            tensor.detach(), name, site.kind, parts, whole, size, rank
-                        )
+                    share = _share(
+                        tensor.detach(), name, site.kind, colwise, parts, size, rank, whole
+                    )
                     module._parameters[name] = nn.Parameter(share, requires_grad=False)
         yield
     finally:
@@ -292,44 +290,24 @@ def _share(
     name: str,
     kind: str,
     colwise: bool,
-    parts: int | tuple,
+    parts: int | tuple[int, ...],
     size: int,
     rank: int,
+    whole: tuple[int, ...] = (),
 ) -> torch.Tensor:
-    """`rank`'s share; `parts`: equal fused parts, or the widths of unequal ones."""
-    if name == "bias":
-        dim = 0
-    elif kind == "conv1d":  # weight (in, out)
-        dim = 1 if colwise else 0
-    else:  # weight (out, in)
-        dim = 0 if colwise else 1
+    """`rank`'s share of a parameter, laid out as apply_tp splits it (the dims from the one
+    table, the rows as RowOrder stores them): `parts` equal fused parts or the widths of
+    unequal ones, those in `whole` held by every rank."""
+    dim = split_dims(kind, "colwise" if colwise else "rowwise")[name]
+    assert dim is not None, f"{kind} {name} is not split"
+    width = tensor.shape[dim]
     if not colwise:
-        pieces: Any = (tensor,)
+        widths: tuple[int, ...] = (width,)
     elif isinstance(parts, tuple):
-        pieces = tensor.split(list(parts), dim)
+        widths = parts
     else:
-        pieces = tensor.chunk(parts, dim)
-    mine = [p.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size) for p in pieces]
-    return torch.cat(mine, dim).clone()
-
-
-def _whole_parts_share(
-    tensor: torch.Tensor,
-    name: str,
-    kind: str,
-    widths: tuple[int, ...],
-    whole: tuple[int, ...],
-    size: int,
-    rank: int,
-) -> torch.Tensor:
-    """A colwise share of fused parts some of which every rank holds whole."""
-    dim = 0 if name == "bias" or kind != "conv1d" else 1
-    pieces = tensor.split(list(widths), dim)
-    mine = [
-        p if i in whole else p.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size)
-        for i, p in enumerate(pieces)
-    ]
-    return torch.cat(mine, dim).clone()
+        widths = (width // parts,) * parts
+    return tensor.index_select(dim, RowOrder(dim, widths, size, whole).rank_rows(rank))
 
 
 @contextlib.contextmanager
