@@ -161,3 +161,37 @@ class QuantizedLinear(nn.Linear):
             f"double_quant={self.layout.double_quant}, "
             f"compute={compute}"
         )
+
+
+class ForeignQuantizedLinear(QuantizedLinear):
+    """A QuantizedLinear whose weight is another library's format (torchao's, bitsandbytes'):
+    quantized from a float Linear when the quant pass swaps it, never loaded from a checkpoint
+    tensor by tensor (load_and_quantize_model builds native modules) and never re-stored in
+    another dtype (the native buffer's FSDP storage trick)."""
+
+    def __init__(
+        self, linear: nn.Linear, layout: QuantLayout, *, compute_dtype: torch.dtype | None
+    ) -> None:
+        """What every quantized Linear records of `linear`. The subclass then sets `weight` in
+        its format and `bias` to the Linear's own Parameter, in that order (the state_dict's)."""
+        nn.Module.__init__(self)  # neither nn.Linear's nor QuantizedLinear's: no float weight
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.layout = layout
+        self.compute_dtype = compute_dtype
+        self.weight_dtype = linear.weight.dtype
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} (backend={self.backend}) does not load checkpoints; "
+            "load_and_quantize_model builds native QuantizedLinear modules"
+        )
+
+    def load_weight_from(self, read: Callable[[int, int], torch.Tensor], device: Any) -> None:
+        self.load_weight(torch.empty(0))
+
+    def store_as(self, dtype: torch.dtype) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} keeps backend={self.backend}'s own storage: its bytes are "
+            "never re-stored"
+        )

@@ -26,7 +26,6 @@ pass checks that it is installed with these names (`torchao_api`) before swappin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retarget.kernels.quant.formats import QuantLayout
-from retarget.kernels.quant.linear import QuantizedLinear
+from retarget.kernels.quant.linear import ForeignQuantizedLinear
 
 #: NF4Tensor quantizes its block scales in blocks of this many scales.
 NF4_SCALER_BLOCK = 256
@@ -99,7 +98,7 @@ class TorchaoMatmul(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
-class TorchaoLinear(QuantizedLinear):
+class TorchaoLinear(ForeignQuantizedLinear):
     """y = x @ W.T + bias with W one of torchao's quantized tensors (see the module docstring)."""
 
     backend = "torchao"
@@ -114,12 +113,7 @@ class TorchaoLinear(QuantizedLinear):
         """Quantize `linear`'s weight with torchao (layout.format nf4 or int8); its bias stays
         the same Parameter, trainable or not as it was."""
         api = torchao_api()
-        nn.Module.__init__(self)  # neither nn.Linear's nor QuantizedLinear's: no float weight
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.layout = layout
-        self.compute_dtype = compute_dtype
-        self.weight_dtype = linear.weight.dtype
+        super().__init__(linear, layout, compute_dtype=compute_dtype)
         weight = linear.weight.detach()
         if layout.format == "nf4":
             stored = api.to_nf4(weight, layout.block_size, NF4_SCALER_BLOCK)
@@ -145,18 +139,3 @@ class TorchaoLinear(QuantizedLinear):
         names, _ = self.weight.__tensor_flatten__()
         parts = [getattr(self.weight, name) for name in names]
         return sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
-
-    def load_weight(self, weight: torch.Tensor) -> None:
-        raise NotImplementedError(
-            "TorchaoLinear does not load checkpoints; load_and_quantize_model builds native "
-            "QuantizedLinear modules"
-        )
-
-    def load_weight_from(self, read: Callable[[int, int], torch.Tensor], device: Any) -> None:
-        self.load_weight(torch.empty(0))
-
-    def store_as(self, dtype: torch.dtype) -> None:
-        raise NotImplementedError(
-            "TorchaoLinear keeps torchao's tensor, which FSDP2 gathers through torchao's own "
-            "hooks: its bytes are never re-stored"
-        )

@@ -11,8 +11,10 @@ Contract: requires regions, shapes | provides quant | after - | numerics approx(
    and Int8Tensor; its nf4 always quantizes the block scales, and needs a weight's element
    count to be a multiple of block_size x 256, x the ranks under fsdp, which the rule table
    checks). FSDP2 shards nf4 weights through NF4Tensor's own FSDP hooks (fsdp, zero3, zero2).
-   bnb is refused by name (not implemented yet), and so are what torchao cannot do here: fp4,
-   int8 under fsdp (Int8Tensor has no split), ddp/zero1/hsdp.
+   Or `bnb` (kernels/quant/bnb_linear.py: bitsandbytes' 4-bit and LLM.int8 formats and
+   matmuls, an optional package, in one process only). Refused by name, before anything is
+   swapped: what torchao cannot do here (fp4, int8 under fsdp: Int8Tensor has no split,
+   ddp/zero1/hsdp), bnb under any strategy but single, a block size bitsandbytes lacks.
 3. Swap in the structural copy (`program.module`): a QuantizedLinear at the Linear's path, its
    weight one frozen packed buffer stored in the dtype FSDP2 gathers in (bf16/fp16 under
    fsdp+bf16/fp16, else the weight's dtype), computed in `compute` (auto: the target's bf16/fp16,
@@ -44,6 +46,7 @@ from torch import nn
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.modules import release_replaced
 from retarget.ir.program import Program
+from retarget.kernels.quant.bnb_linear import BNB_BLOCK_SIZES, BnbLinear, bnb_api
 from retarget.kernels.quant.formats import BITS, QuantLayout
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.kernels.quant.torchao_linear import NF4_SCALER_BLOCK, TorchaoLinear, torchao_api
@@ -57,13 +60,9 @@ from retarget.spec.strategies import FSDP_STRATEGIES
 
 _SCHEMA = PARTS["quant"].options
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: Backends named in the schema that are not implemented, and what to use instead.
 #: The strategies that may shard torchao's nf4 weights (FSDP2 over the whole world: NF4Tensor's
 #: own FSDP hooks gather it).
 TORCHAO_SHARDED = ("fsdp", "zero3", "zero2")
-_NOT_IMPLEMENTED = {
-    "bnb": "bitsandbytes' Linear4bit/Linear8bitLt are not wired in yet",
-}
 
 
 def _default(key: str) -> Any:
@@ -138,11 +137,8 @@ class QuantizeLinears(Pass):
     def run(self, program: Program) -> PassResult:
         options = self.options
         backend = "native" if options.backend == "auto" else options.backend
-        if backend in _NOT_IMPLEMENTED:
-            raise TargetNotSupportedError(
-                f"quant[backend={backend}]: {_NOT_IMPLEMENTED[backend]}; use backend=native "
-                "(the same nf4/fp4/int8 formats in torch ops, on any device)"
-            )
+        if backend == "bnb":
+            _check_bnb(options, program)
         multiple = _check_torchao(options, program) if backend == "torchao" else 1
         decisions = decide_all(program.module, options.skip, called_paths(program), multiple)
         chosen = [d.path for d in decisions if d.quantized]
@@ -171,6 +167,9 @@ class QuantizeLinears(Pass):
             if backend == "torchao":
                 swapped = TorchaoLinear(linear, layouts[path], compute_dtype=compute)
                 stored.add(f"torchao's {type(swapped.weight).__name__}")
+            elif backend == "bnb":
+                swapped = BnbLinear(linear, layouts[path], compute_dtype=compute)
+                stored.add("bitsandbytes' sections in one uint8 buffer")
             else:
                 swapped = QuantizedLinear(
                     linear,
@@ -265,6 +264,27 @@ def _check_torchao(options: QuantizeOptions, program: Program) -> int:
     # NF4Tensor's FSDP2 split divides its blocks of block scales among the ranks.
     shards = program.world.size if sharded else 1
     return options.block_size * NF4_SCALER_BLOCK * shards
+
+
+def _check_bnb(options: QuantizeOptions, program: Program) -> None:
+    """Refuse what backend=bnb cannot do here, before anything is swapped."""
+    where = f"quant[backend=bnb,type={options.format}]"
+    strategy = program.target.strategy
+    if strategy != "single":
+        raise TargetNotSupportedError(
+            f"{where} with {strategy}: sharding or replicating bitsandbytes' quantized weights "
+            "is not wired in; use backend=native (packed plain tensors every strategy "
+            "handles) or, under fsdp, backend=torchao"
+        )
+    if BITS[options.format] == 4 and options.block_size not in BNB_BLOCK_SIZES:
+        raise TargetNotSupportedError(
+            f"{where}: block_size={options.block_size} is not one of bitsandbytes' block sizes "
+            f"{list(BNB_BLOCK_SIZES)}; pick one of them, or use backend=native"
+        )
+    try:
+        bnb_api()
+    except ImportError as error:
+        raise TargetNotSupportedError(str(error)) from error
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
