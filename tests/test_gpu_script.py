@@ -83,3 +83,7 @@ def test_dry_run_in_a_fresh_venv_with_carried_wheels(tmp_path):
     assert all(isinstance(v, float) for v in report["ratios"].values())
     table = (out / "gpu_bench.md").read_text()
     assert "| retarget fp8 torchao+compile |" in table and "dry run (CPU, tiny model)" in table
+    loading = json.loads((out / "quant_load.json").read_text())
+    assert loading["dry_run"] and loading["arms"]["ours"]["peak_added_bytes"] > 0
+    accelerate = loading["arms"]["accelerate"]  # it needs a GPU: refused here, with its reason
+    assert "GPU" in accelerate.get("refused", "") or "bitsandbytes" in accelerate.get("refused", "")

@@ -100,7 +100,8 @@ def environment() -> dict[str, Any]:
         found["bf16 supported"] = torch.cuda.is_bf16_supported()
     else:
         found["device"] = f"cpu ({platform.machine()})"
-    for name in ("transformers", "accelerate", "torchao", "transformer_engine", "triton", "peft"):
+    packages = ("transformers", "accelerate", "torchao", "transformer_engine", "triton", "peft")
+    for name in (*packages, "bitsandbytes"):
         found[name] = _version(name)
     try:
         import retarget

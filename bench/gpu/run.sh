@@ -61,5 +61,11 @@ else
   "$py" bench/gpu/gpu_bench.py measure --out "$out" ${RETARGET_GPU_ARMS:+--arms "$RETARGET_GPU_ARMS"} ||
     status=1
 fi
+echo "== quantized loading (ours and Accelerate's load_and_quantize_model, one checkpoint)"
+if [ "$dry" = 1 ]; then
+  "$py" bench/quant/load_compare.py --dry-run --out "$out" || status=1
+else
+  "$py" bench/quant/load_compare.py --out "$out" || status=1
+fi
 echo "== run.sh done in $((SECONDS - start)) s, status $status; results in $out"
 exit "$status"

@@ -2,7 +2,11 @@
 quantized to nf4 and print JSON with the peak resident memory the load added and the size of the
 loaded model.
 
-    python bench/quant/load_rss.py ours|accelerate|plain CHECKPOINT
+    python bench/quant/load_rss.py ours|accelerate|plain CHECKPOINT [DEVICE_MAP]
+
+DEVICE_MAP (default none: where the function puts it) is passed to both functions as is
+("auto" on the GPU machine: bench/quant/load_compare.py); on a GPU the output also has the
+peak GPU memory the load allocated.
 
 - ours: `init_empty_weights` + `retarget.utils.load_and_quantize_model` (tensor by tensor);
 - accelerate: the same call through `accelerate.utils` (it needs bitsandbytes and a GPU);
@@ -30,7 +34,7 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def main(arm: str, checkpoint: str) -> dict:
+def main(arm: str, checkpoint: str, device_map: str | None = None) -> dict:
     config = AutoConfig.from_pretrained(checkpoint)
     if arm == "accelerate":
         from accelerate import init_empty_weights
@@ -46,6 +50,9 @@ def main(arm: str, checkpoint: str) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size
     before = _status("VmRSS")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         if arm == "plain":
             from safetensors.torch import load_file
@@ -58,25 +65,31 @@ def main(arm: str, checkpoint: str) -> dict:
                 state.update(load_file(path))
             model.load_state_dict(state)
             del state
-            model = load_and_quantize_model(model, settings)
+            model = load_and_quantize_model(model, settings, device_map=device_map)
         else:
-            model = load_and_quantize_model(skeleton, settings, weights_location=checkpoint)
+            model = load_and_quantize_model(
+                skeleton, settings, weights_location=checkpoint, device_map=device_map
+            )
     except Exception as err:  # noqa: BLE001 - an arm that refuses is a result
-        return {"arm": arm, "refused": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+        return {"arm": arm, "refused": " ".join(f"{type(err).__name__}: {err}".split())[:300]}
     peak = _status("VmHWM") - before
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {
+    found = {
         "arm": arm,
         "peak_added_bytes": peak,
         "model_bytes": size,
         "threads": torch.get_num_threads(),
+        "devices": sorted({str(t.device) for t in tensors.values()}),
     }
+    if cuda:
+        found["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return found
 
 
 if __name__ == "__main__":
     try:
-        print(json.dumps(main(sys.argv[1], sys.argv[2])))
+        print(json.dumps(main(*sys.argv[1:4])))
     except Exception:
         traceback.print_exc()
         sys.exit(1)
