@@ -205,6 +205,15 @@ class QuantizeLinears(Pass):
                 for name, n in calls.items()
             ),
         ]
+        if backend == "torchao" and options.format == "nf4" and "compile" in program.target:
+            message = (
+                "quant[backend=torchao,type=nf4] under compile: dynamo cannot trace torchao's "
+                "NF4 matmul, so each block's graph breaks at every quantized Linear (the "
+                "report's compile line counts them); backend=native or bnb compile each block "
+                "whole"
+            )
+            warnings.warn(message, stacklevel=2)
+            notes.append(message)
         if trainable == 0:
             message = (
                 "quant froze every quantized weight and no parameter is trainable any more: "
