@@ -16,18 +16,16 @@ torch 2.13's stages treat every floating-point value a stage sends as an activat
 a gradient, and refuse one read by two later stages ("backward of skip connections not
 supported yet"); a transformers decoder computes its rotary cos/sin and causal mask once,
 before the first block, and hands them to every block, so with three stages or more the first
-would send them to several. `chain_skips` rewrites the split so that each stage also returns
-the received values a later stage reads, and each stage reads them from the one just before:
-every value goes to the next stage only (their gradients, which no weight needs, travel back
-the same way).
+would send them to several. `pipeline_split.prepare_split` rewrites the split so that every
+value goes to the next stage only, and contiguous (gloo receives no strided buffer).
 
 torch's split gives a weight used by two stages (an LM head tied to the embedding) a copy in
-each stage after the first, which no optimizer on `compiled.parameters()` would step.
-`use_original_parameters` puts the model's own Parameter back in every stage module, so each
-rank's gradient lands on it; after the schedule's step the gradients of such a weight are
-summed over the ranks whose stages use it (`PipelineRun.tied`), the same sum one process makes,
-so the copies on those ranks take the same steps and stay equal. Its norm is counted once, on
-the first of them, when `clip_grad_norm_` combines the stages' norms.
+each stage after the first, which no optimizer on `compiled.parameters()` would step;
+`pipeline_split.use_original_parameters` puts the model's own Parameter back in every stage
+module, so each rank's gradient lands on it; after the schedule's step the gradients of such a
+weight are summed over the ranks whose stages use it (`PipelineRun.tied`), the same sum one
+process makes, so the copies on those ranks take the same steps and stay equal. Its norm is
+counted once, on the first of them, when `clip_grad_norm_` combines the stages' norms.
 
 A rank keeps its stages' weights only: once the stages are built, the other stages'
 parameters are emptied (`core.modules.release`, as fsdp empties the user's copies: same
@@ -59,6 +57,7 @@ from torch import Tensor, nn
 from retarget.core.modules import release, release_replaced, released
 from retarget.core.plans import PpPlan
 from retarget.core.slots import OUTER_FORWARD
+from retarget.execution.pipeline_split import prepare_split, use_original_parameters
 from retarget.execution.stage_forward import run_stage_forward
 
 
@@ -203,52 +202,6 @@ class PipelineRun:
         return loss
 
 
-def chain_skips(pipe: Any) -> None:
-    """Forward, stage by stage, the values a stage would send past the next one (see the
-    module docstring): each stage also returns the received values a later stage reads, and
-    the later stages read them from the stage just before. `pipe.split_gm`'s call graph and
-    the stages' output nodes are rewritten in place."""
-    import operator
-
-    from torch import fx
-
-    gm = pipe.split_gm
-    graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
-    for k, call in enumerate(calls[:-1]):
-        later = calls[k + 1 :]
-        received = [a for a in call.args if isinstance(a, fx.Node)]
-        skipped = [a for a in received if any(a in stage.args for stage in later)]
-        if not skipped:
-            continue
-        stage_module = getattr(gm, call.target)
-        placeholders = [n for n in stage_module.graph.nodes if n.op == "placeholder"]
-        output = next(n for n in stage_module.graph.nodes if n.op == "output")
-        own = output.args[0]
-        single = not isinstance(own, (tuple, list))
-        own_values = (own,) if single else tuple(own)
-        forwarded = tuple(placeholders[list(call.args).index(v)] for v in skipped)
-        output.args = (own_values + forwarded,)
-        stage_module.recompile()
-        users = list(call.users)
-        with graph.inserting_after(call):
-            items = [
-                graph.call_function(operator.getitem, (call, i))
-                for i in range(len(own_values) + len(forwarded))
-            ]
-        for user in users:
-            if single:
-                user.replace_input_with(call, items[0])
-            elif user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(items[user.args[1]])
-                graph.erase_node(user)
-        for j, value in enumerate(skipped):
-            for stage in later:
-                stage.replace_input_with(value, items[len(own_values) + j])
-    graph.lint()
-    gm.recompile()
-
-
 def apply_pipeline(
     module: nn.Module,
     original: nn.Module,
@@ -279,7 +232,7 @@ def apply_pipeline(
         (example_ids[: plan.microbatch_rows],),
         split_spec={f"model.{path}": SplitPoint.BEGINNING for path in plan.split_points},
     )
-    chain_skips(traced)
+    prepare_split(traced)
     ranks = [stage.rank for stage in plan.stages]  # stage i runs on rank i mod size
     used = use_original_parameters(traced, original, len(ranks))
     tied = _tied_weights(used, ranks, mesh)
@@ -323,26 +276,6 @@ def apply_pipeline(
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     return PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
-
-
-def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:
-    """Put `original`'s own Parameter objects in every stage module where torch's split left a
-    copy (a weight two stages use); per stage, the original parameters it uses (by id)."""
-    originals = dict(original.named_parameters(remove_duplicate=False))
-    used: list[dict[int, Any]] = []
-    for k in range(stages):
-        module = traced.get_stage_module(k)
-        mine: dict[int, Any] = {}
-        for name, param in list(module.named_parameters(remove_duplicate=False)):
-            own = originals.get(name.removeprefix("model."))  # the _Logits wrapper's prefix
-            if own is None:
-                continue
-            if param is not own:
-                owner, _, leaf = name.rpartition(".")
-                setattr(module.get_submodule(owner), leaf, own)
-            mine[id(own)] = own
-        used.append(mine)
-    return used
 
 
 def _shard_stages(

@@ -10,7 +10,7 @@ is not given. A list of module paths is used as given. torch.distributed.pipelin
 as in Accelerate: `pipeline()` exports the model on one microbatch and splits it,
 `build_stage` gives this process its stage, `ScheduleGPipe` (forward only: no loss) drives the
 microbatches; values a stage would send past the next one are forwarded stage by stage
-(execution/pipeline_stages.chain_skips).
+(execution/pipeline_split.py), each sent value contiguous.
 
 A transformers model's `config.use_cache` is turned off, with a warning (its KV cache object
 cannot travel between stages; Accelerate's export fails on it). The model is returned with its
@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from retarget.driver.compile import compile_for
-from retarget.execution.pipeline_stages import chain_skips
+from retarget.execution.pipeline_split import prepare_split
 from retarget.execution.process import ProcessState
 from retarget.passes.shard.stage_cuts import stage_starts
 
@@ -88,7 +88,7 @@ def prepare_pippy(
         mb_kwargs=tree_map(first_rows, kwargs),
         split_spec={point: SplitPoint.BEGINNING for point in points},
     )
-    chain_skips(pipe)
+    prepare_split(pipe)
     stage = pipe.build_stage(state.rank, device=state.device)
     schedule = ScheduleGPipe(stage, n_microbatches=chunks)
     model.pippy_stage = schedule
