@@ -4,6 +4,7 @@ the compositions with bf16/ac/compile, unwrap, and the refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import peft
@@ -19,6 +20,9 @@ from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.spec.errors import TargetError
 from tests import zoo
 
+BNB = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes (a test extra)"
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIGS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
@@ -139,6 +143,8 @@ def assert_adapters_train(compiled: nn.Module, inputs: dict[str, torch.Tensor]) 
         "quant+ac",
         "bf16+quant[double_quant=true]+ac",
         "quant[type=fp4]+compile[backend=aot_eager]",
+        # bitsandbytes' nf4 is the native one bit for bit: the same loss as plain `quant`.
+        pytest.param("bf16+quant[backend=bnb]+ac", marks=BNB),
     ],
 )
 def test_quant_composes_with_precision_checkpointing_and_compile(target):
