@@ -34,7 +34,8 @@ from torch import Tensor, fx, nn
 
 
 def prepare_split(pipe: Any) -> None:
-    """What every split needs before its stages are built: skips chained, sends contiguous."""
+    """What every split needs before its stages are built: skips chained, sends contiguous and
+    in the order the next stage reads them."""
     chain_skips(pipe)
     contiguous_sends(pipe)
     order_sends(pipe)
