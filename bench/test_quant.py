@@ -10,7 +10,8 @@ after a step (parameters, gradients, optimizer state), counted from the tensors;
 autograd saves for backward in one forward beyond the model's own tensors (activations, and
 any dequantized copy of a quantized weight a matmul would keep: none since the quantized
 matmuls save the packed weight). Arms: full fine-tuning, bf16 LoRA, quant[bits=4] LoRA (ours,
-float32 and bf16) and quant[bits=4,backend=torchao] LoRA (torchao's NF4Tensor). On this CPU
+float32 and bf16), quant[bits=4,backend=torchao] LoRA (torchao's NF4Tensor) and
+quant[bits=4,backend=bnb] LoRA (bitsandbytes' nf4 and matmul_4bit). On this CPU
 the 4-bit arm dequantizes each weight at every call (no fused 4-bit kernel), so it is expected
 to be slower than the others here; the figure is its cost on CPU, not GPU speed.
 
@@ -47,6 +48,7 @@ ARMS = {
     "quant[bits=4] LoRA": (True, "quant[bits=4]"),
     "bf16+quant[bits=4] LoRA": (True, "bf16+quant[bits=4]"),
     "quant[bits=4,backend=torchao] LoRA": (True, "quant[bits=4,backend=torchao]"),
+    "quant[bits=4,backend=bnb] LoRA": (True, "quant[bits=4,backend=bnb]"),
 }
 RESULTS_FILE = results_file("quant.json")
 HERE = Path(__file__).resolve().parent
