@@ -41,13 +41,22 @@ def prepare_split(pipe: Any) -> None:
     order_sends(pipe)
 
 
+def _stage_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The split's calls of its stage modules, in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+
+
+def _output(stage: fx.GraphModule) -> fx.Node:
+    return next(n for n in stage.graph.nodes if n.op == "output")
+
+
 def chain_skips(pipe: Any) -> None:
     """Forward, stage by stage, the values a stage would send past the next one (see the
     module docstring); `pipe.split_gm`'s call graph and the stages' output nodes are rewritten
     in place."""
     gm = pipe.split_gm
     graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    calls = _stage_calls(gm)
     for k, call in enumerate(calls[:-1]):
         later = calls[k + 1 :]
         received = [a for a in call.args if isinstance(a, fx.Node)]
@@ -56,7 +65,7 @@ def chain_skips(pipe: Any) -> None:
             continue
         stage_module = getattr(gm, call.target)
         placeholders = [n for n in stage_module.graph.nodes if n.op == "placeholder"]
-        output = next(n for n in stage_module.graph.nodes if n.op == "output")
+        output = _output(stage_module)
         own = output.args[0]
         single = not isinstance(own, (tuple, list))
         own_values = (own,) if single else tuple(own)
@@ -97,7 +106,7 @@ def contiguous_sends(pipe: Any) -> int:
     strided gets the contiguous one; returns how many such values there were. Runs after
     chain_skips, before order_sends."""
     gm = pipe.split_gm
-    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    calls = _stage_calls(gm)
     made: dict[tuple[fx.Node, int], Any] = {}  # (stage call, output index) -> contiguous value
     for call in calls:
         stage = getattr(gm, call.target)
@@ -111,7 +120,7 @@ def contiguous_sends(pipe: Any) -> int:
                 placeholder.meta["val"] = made[key]
         if call is calls[-1]:
             break
-        output = next(n for n in stage.graph.nodes if n.op == "output")
+        output = _output(stage)
         single = not isinstance(output.args[0], (tuple, list))
         values = [output.args[0]] if single else list(output.args[0])
         for i, value in enumerate(values):
@@ -133,11 +142,11 @@ def order_sends(pipe: Any) -> int:
     docstring); returns how many stages' outputs were reordered. Runs after chain_skips, when
     a stage's outputs go to the next stage only."""
     gm = pipe.split_gm
-    calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    calls = _stage_calls(gm)
     reordered = 0
     for call, after in zip(calls, calls[1:], strict=False):
         stage = getattr(gm, call.target)
-        output = next(n for n in stage.graph.nodes if n.op == "output")
+        output = _output(stage)
         if not isinstance(output.args[0], (tuple, list)):
             continue
         values = list(output.args[0])

@@ -27,13 +27,12 @@ modules), meta weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from retarget.kernels.quant.formats import QuantLayout
 from retarget.kernels.quant.linear import ForeignQuantizedLinear
 
 #: Block sizes bitsandbytes' 4-bit quantization takes.
@@ -62,10 +61,7 @@ class _Section:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _Sections:
@@ -98,18 +94,11 @@ class BnbLinear(ForeignQuantizedLinear):
 
     backend = "bnb"
 
-    def __init__(
-        self,
-        linear: nn.Linear,
-        layout: QuantLayout,
-        *,
-        compute_dtype: torch.dtype | None,
-    ) -> None:
-        """Quantize `linear`'s weight with bitsandbytes (layout.format nf4, fp4 or int8); its
-        bias stays the same Parameter, trainable or not as it was."""
+    def quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' codes and scales for `weight` (layout.format nf4, fp4 or int8), packed
+        into one uint8 buffer; the sections and the QuantState's plain fields stay here."""
         bnb = bnb_api()
-        super().__init__(linear, layout, compute_dtype=compute_dtype)
-        weight = linear.weight.detach()
+        layout = self.layout
         if layout.format == "int8":
             codes, scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
             parts = {"codes": codes, "scales": scales.to(torch.float32)}
@@ -137,9 +126,7 @@ class BnbLinear(ForeignQuantizedLinear):
                 "blocksize2": state.state2.blocksize if state.nested else None,
             }
         self._sections = _Sections(parts)
-        stored = self._sections.pack(parts, weight.device)
-        self.weight = nn.Parameter(stored, requires_grad=False)
-        self.bias = linear.bias
+        return self._sections.pack(parts, weight.device)
 
     def _quant_state(self, stored: torch.Tensor) -> Any:
         """bitsandbytes' QuantState over the sections of `stored` (a 4-bit weight's buffer)."""

@@ -172,14 +172,21 @@ class ForeignQuantizedLinear(QuantizedLinear):
     def __init__(
         self, linear: nn.Linear, layout: QuantLayout, *, compute_dtype: torch.dtype | None
     ) -> None:
-        """What every quantized Linear records of `linear`. The subclass then sets `weight` in
-        its format and `bias` to the Linear's own Parameter, in that order (the state_dict's)."""
+        """Quantize `linear`'s weight in the library's format (`quantize`); its bias stays the
+        same Parameter, trainable or not as it was."""
         nn.Module.__init__(self)  # neither nn.Linear's nor QuantizedLinear's: no float weight
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.layout = layout
         self.compute_dtype = compute_dtype
         self.weight_dtype = linear.weight.dtype
+        stored = self.quantize(linear.weight.detach())
+        self.weight = nn.Parameter(stored, requires_grad=False)
+        self.bias = linear.bias
+
+    def quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """The stored form of the float (out, in) `weight` (self.layout says the format)."""
+        raise NotImplementedError
 
     def load_weight(self, weight: torch.Tensor) -> None:
         raise NotImplementedError(

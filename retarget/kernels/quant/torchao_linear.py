@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from retarget.kernels.quant.formats import QuantLayout
 from retarget.kernels.quant.linear import ForeignQuantizedLinear
 
 #: NF4Tensor quantizes its block scales in blocks of this many scales.
@@ -103,26 +101,15 @@ class TorchaoLinear(ForeignQuantizedLinear):
 
     backend = "torchao"
 
-    def __init__(
-        self,
-        linear: nn.Linear,
-        layout: QuantLayout,
-        *,
-        compute_dtype: torch.dtype | None,
-    ) -> None:
-        """Quantize `linear`'s weight with torchao (layout.format nf4 or int8); its bias stays
-        the same Parameter, trainable or not as it was."""
+    def quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """torchao's tensor for `weight` (layout.format nf4 or int8)."""
         api = torchao_api()
-        super().__init__(linear, layout, compute_dtype=compute_dtype)
-        weight = linear.weight.detach()
+        layout = self.layout
         if layout.format == "nf4":
-            stored = api.to_nf4(weight, layout.block_size, NF4_SCALER_BLOCK)
-        elif layout.format == "int8":
-            stored = api.Int8Tensor.from_hp(weight, granularity=api.PerRow())
-        else:
-            raise ValueError(f"torchao backend: no {layout.format} format (nf4 or int8)")
-        self.weight = nn.Parameter(stored, requires_grad=False)
-        self.bias = linear.bias
+            return api.to_nf4(weight, layout.block_size, NF4_SCALER_BLOCK)
+        if layout.format == "int8":
+            return api.Int8Tensor.from_hp(weight, granularity=api.PerRow())
+        raise ValueError(f"torchao backend: no {layout.format} format (nf4 or int8)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
