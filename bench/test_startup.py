@@ -6,7 +6,9 @@ Run: python -m pytest bench/test_startup.py --benchmark-only -s
 - prepare-to-first-step (bench/startup/first_step.py: a 4-layer Qwen2 at its default config,
   sizes shrunk; `accelerator.prepare` to the end of the first optimizer step) under Accelerate
   and under retarget, the script the same but for the Accelerator imported, uncompiled and with
-  regional compile on a warm inductor cache (one unmeasured run of each fills the cache first);
+  regional compile on a warm inductor cache (one unmeasured run of each fills the cache first),
+  and uncompiled under bf16 (a graph rewrite: retarget captures the block there, while fp32
+  captures nothing, capture="auto");
 - capture's share: the seconds retarget's regions spent being captured, over that script's wall
   time from its first line.
 
@@ -46,10 +48,18 @@ def _wall(command: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def _first_step(framework: str, compile_: bool, env: dict[str, str]) -> dict:
+#: Each arm's label and first_step.py's flags beyond --framework.
+SETTINGS: dict[str, list[str]] = {
+    "uncompiled": [],
+    "uncompiled bf16": ["--mixed-precision", "bf16"],
+    "compiled, warm cache": ["--compile"],
+}
+
+
+def _first_step(framework: str, flags: list[str], env: dict[str, str]) -> dict:
     command = [sys.executable, str(FIRST_STEP), "--framework", framework]
     done = subprocess.run(
-        command + (["--compile"] if compile_ else []),
+        command + flags,
         capture_output=True,
         text=True,
         env=env,
@@ -57,7 +67,7 @@ def _first_step(framework: str, compile_: bool, env: dict[str, str]) -> dict:
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{framework} compile={compile_} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{framework} {flags} failed:\n{done.stderr[-4000:]}")
     return json.loads(lines[-1])
 
 
@@ -65,29 +75,28 @@ def test_startup_retarget_vs_accelerate(benchmark) -> None:
     pytest.importorskip("accelerate")
     cache = tempfile.mkdtemp(prefix="retarget-bench-inductor-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
-    arms = [(f, c) for c in (False, True) for f in ("accelerate", "retarget")]
+    arms = [(f, label) for label in SETTINGS for f in ("accelerate", "retarget")]
     for framework in ("accelerate", "retarget"):  # fill the inductor cache: warm from here on
-        _first_step(framework, True, env)
+        _first_step(framework, SETTINGS["compiled, warm cache"], env)
     walls: dict[str, list[float]] = {name: [] for name in IMPORTS}
-    steps: dict[tuple[str, bool], list[dict]] = {arm: [] for arm in arms}
+    steps: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
 
     def one_round() -> None:
         for name, command in IMPORTS.items():
             walls[name].append(_wall(command))
-        for framework, compile_ in arms:
-            steps[(framework, compile_)].append(_first_step(framework, compile_, env))
+        for framework, label in arms:
+            steps[(framework, label)].append(_first_step(framework, SETTINGS[label], env))
 
     benchmark.group = "start-up"
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
 
-    def median(arm: tuple[str, bool], key: str) -> float:
+    def median(arm: tuple[str, str], key: str) -> float:
         return statistics.median(run[key] for run in steps[arm])
 
     info: dict[str, object] = {"rounds": ROUNDS}
     info.update({f"{name} s": round(statistics.median(v), 3) for name, v in walls.items()})
-    for compile_ in (False, True):
-        label = "compiled, warm cache" if compile_ else "uncompiled"
-        ours, theirs = ("retarget", compile_), ("accelerate", compile_)
+    for label in SETTINGS:
+        ours, theirs = ("retarget", label), ("accelerate", label)
         first = "prepare_to_first_step_s"
         info[f"prepare-to-first-step {label}: retarget s"] = round(median(ours, first), 3)
         info[f"prepare-to-first-step {label}: accelerate s"] = round(median(theirs, first), 3)

@@ -2,7 +2,7 @@
 waits for between `accelerator.prepare(...)` and the end of the first optimizer step, under
 Accelerate or retarget (the only difference: which Accelerator is imported). Prints one JSON line.
 
-    python bench/startup/first_step.py --framework retarget [--compile]
+    python bench/startup/first_step.py --framework retarget [--compile] [--mixed-precision bf16]
 
 With --compile both run regional torch.compile (Accelerate's TorchDynamoPlugin with
 use_regional_compilation; retarget's compile part); a warm inductor cache is the caller's
@@ -26,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--framework", choices=("accelerate", "retarget"), required=True)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.framework == "accelerate":
@@ -55,7 +56,7 @@ def main() -> None:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(
             backend="inductor", use_regional_compilation=True
         )
-    accelerator = Accelerator(cpu=True, **kwargs)
+    accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision, **kwargs)
     begin = time.perf_counter()
     model, optimizer = accelerator.prepare(model, optimizer)
     prepared = time.perf_counter()
@@ -75,6 +76,7 @@ def main() -> None:
             {
                 "framework": args.framework,
                 "compile": args.compile,
+                "mixed_precision": args.mixed_precision,
                 "import_torch_s": T_TORCH - T0,
                 "import_framework_s": imported - start,
                 "prepare_s": prepared - begin,

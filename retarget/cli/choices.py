@@ -8,7 +8,7 @@ each value here equals the library's own, so they cannot drift apart.
 from __future__ import annotations
 
 #: retarget.passes.capture.capture_regions.MODES
-CAPTURE_MODES = ("regions", "whole", "eager")
+CAPTURE_MODES = ("regions", "auto", "whole", "eager")
 #: retarget.report.render.FORMATS
 FORMATS = ("text", "json", "dot", "svg", "html")
 #: retarget.report.dot_figure.GRAPH_NODE_CAP

@@ -19,7 +19,7 @@ from retarget.ir.hooks import users_hooks_set_aside
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.base import Pass
 from retarget.passes.manager import PassManager
-from retarget.passes.pipeline import build_pipeline, place_extra
+from retarget.passes.pipeline import build_pipeline, place_extra, settle_capture
 from retarget.spec.grammar import Target, TargetError, parse_target
 from retarget.spec.strategies import STRATEGIES
 
@@ -46,11 +46,15 @@ def compile_for(
     `example_inputs` follows how the model is called: a tuple is positional arguments, a dict is
     keyword arguments (the Hugging Face way), anything else is the one argument. Without it,
     regions are captured lazily at their first call. `capture` is "regions" (one graph per
-    distinct repeated block, glue eager), "whole" or "eager". `verify=True` checks after every
-    pass that the model still computes what eager computes on the example inputs. `disable`
-    names passes to skip; `print_before`/`print_after` name passes around which the region
-    graphs are printed to `stream` (stderr by default). `world_size` is the number of processes a
-    ddp/fsdp plan is made for (default: the run's own, from torchrun's environment, else 1);
+    distinct repeated block, glue eager), "whole", "eager", or "auto": "regions" when a pass of
+    the target reads or rewrites a graph, else nothing is captured (the blocks run their own
+    forward, which their graphs would compute bit for bit; retarget.Accelerator's choice, as
+    Accelerate captures nothing).
+    `verify=True` checks after every pass that the model still computes what eager computes on
+    the example inputs. `disable` names passes to skip; `print_before`/`print_after` name
+    passes around which the region graphs are printed to `stream` (stderr by default).
+    `world_size` is the number of processes a ddp/fsdp plan is made for (default: the run's
+    own, from torchrun's environment, else 1);
     `extra_passes` are your own Pass instances, each placed by its contract right after the
     passes it requires or follows (else after the analyses), before the appliers;
     under a process group of more than one process the plan is applied (DDP or FSDP2),
@@ -76,6 +80,8 @@ def compile_for(
     passes = place_extra(
         build_pipeline(target, capture=capture, frontends=frontends), list(extra_passes)
     )
+    print_before, print_after = tuple(print_before), tuple(print_after)
+    passes = settle_capture(passes, graphs_wanted=bool(verify or print_before or print_after))
     manager = PassManager(
         passes,
         verify=verify,

@@ -110,6 +110,7 @@ class Program:
     example: ExampleInputs | None
     """How the model is called on the example inputs (None: regions captured at first call)."""
     capture: str = "regions"
+    """The capture mode asked (compile_for's `capture`; "auto" may have captured nothing)."""
     tree: nx.DiGraph = field(default_factory=nx.DiGraph)
     """The module tree (find_blocks): path -> class, parameter counts, fingerprint."""
     blocks: list[BlockGroup] = field(default_factory=list)

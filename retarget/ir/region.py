@@ -41,6 +41,8 @@ from retarget.ir.call_key import (
 from retarget.ir.hooks import hook_inside, own_forward_hooks_set_aside, users_hooks_set_aside
 
 PENDING = "pending"
+#: The frontend of a deferred region: nothing captured, its repeats run their own forward.
+OWN_FORWARD = "own forward"
 _RECAPTURE_FAILED = ("recapture",)  # the warning key of a failed capture after `recapture`
 GraphTransform = Callable[[fx.GraphModule], None]
 #: Wraps a module's eager forward: the module-level form of a rewrite, for calls without a graph.
@@ -98,6 +100,10 @@ class Region:
     """Runs the calls in place of the plain graph or eager form (compile_regions installs it)."""
     recaptured: bool = False
     """`recapture` dropped the graphs captured at compile time (tp split the region)."""
+    deferred: bool = False
+    """Nothing is captured: no pass reads or rewrites this region's graphs (capture="auto"), so
+    its calls run the module's own forward, which a graph would compute bit for bit. A rewrite
+    added later (`add_transform`) ends it: the next call of each signature captures."""
 
     @property
     def repeats(self) -> int:
@@ -182,13 +188,17 @@ class Region:
         self.recapture((), reason)
         self.frontend, self.eager_only = EAGER, True
 
+    def defer(self, reason: str) -> None:
+        """Capture nothing until a rewrite asks for a graph (see `deferred`)."""
+        self.deferred, self.frontend, self.reason = True, OWN_FORWARD, reason
+
     def _key(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         key = call_key(module, args, kwargs)
         return key if self.shared else (record_of(module).path, key)
 
     def graph_for(self, module: nn.Module, args: tuple, kwargs: dict) -> CapturedGraph | None:
         """The graph for this call, capturing it on first sight; None means run eager."""
-        if self.eager_only:
+        if self.eager_only or self.deferred:
             return None
         key = self._key(module, args, kwargs)
         if key in self.graphs:
@@ -237,6 +247,8 @@ class Region:
         runs without a graph (an uncapturable region, or a signature that failed to capture), so
         a rewrite is never silently lost. Returns how many graphs were rewritten now.
         """
+        if self.deferred:  # a rewrite needs the graphs: capture at the next calls
+            self.deferred, self.frontend, self.reason = False, PENDING, ""
         self.transforms.append((pass_name, transform))
         if eager_form is not None:
             self.eager_forms.append((pass_name, eager_form))
@@ -267,6 +279,8 @@ class Region:
 
     # -- running --------------------------------------------------------------------------
     def call(self, module: nn.Module, args: tuple, kwargs: dict, eager: Callable) -> Any:
+        if self.deferred:
+            return self._eager_call(module, eager, args, kwargs, True)
         walk = block_walk(module)
         hooked = hook_inside(module) if walk.may_hold_hooks() else None
         if hooked is not None:  # a graph would skip the hook: run the eager form meanwhile

@@ -12,7 +12,8 @@ lines starting "    | "):
         | options DdpOptions
 
 An applier (`applies = True`, passes/apply/) decides nothing: it carries out what the passes
-recorded, through the execution layer, as one of the pipeline's last stages.
+recorded, through the execution layer, as one of the pipeline's last stages. A pass that works
+on modules and records only (`reads_graphs = False`) lets a pipeline of such passes skip capture.
 
 `stage(target, capture)` builds the passes a target asks for; `run(program)` returns a
 `PassResult`; a pass with nothing to do returns `changed=False` and touches nothing. Unsupported
@@ -95,6 +96,11 @@ class Pass:
     applies: ClassVar[bool] = False
     """An applier (passes/apply/): carries out recorded decisions on the process group or the
     devices. The manager records it but does not re-check the model after it."""
+    reads_graphs: ClassVar[bool] = True
+    """It reads or rewrites region graphs. When no pass of a pipeline does, capture="auto"
+    (retarget.Accelerator's) captures nothing: the regions run their modules' own forward,
+    which is what their graphs would compute (passes/capture/capture_regions.py). True unless a
+    pass says otherwise, so a pass of the user's (extra_passes) always finds its graphs."""
 
     def __init__(self, options: Any = None):
         self.options = self.Options() if options is None else options

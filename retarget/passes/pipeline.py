@@ -11,6 +11,8 @@ also a declaration it enforces. A target part that no stage realises is refused
 
 from __future__ import annotations
 
+import dataclasses
+
 from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.analysis.annotate_shapes import AnnotateShapes
 from retarget.passes.analysis.find_blocks import FindBlocks
@@ -121,7 +123,7 @@ def build_pipeline(
             f"silently ignoring it (the parts a pass implements: {', '.join(sorted(handled))})"
         )
     part = target.get("compile")
-    if part is not None and part.get("scope") == "whole" and capture == "regions":
+    if part is not None and part.get("scope") == "whole" and capture in ("auto", "regions"):
         capture = "whole"  # compile[scope=whole] compiles the model as one captured graph
     options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
     return [p for _, pass_class in STAGES for p in pass_class.stage(target, options)]
@@ -149,3 +151,17 @@ def place_extra(passes: list[Pass], extra: list[Pass]) -> list[Pass]:
             index = appliers[0]
         placed.insert(index, pass_)
     return placed
+
+
+def settle_capture(passes: list[Pass], *, graphs_wanted: bool = False) -> list[Pass]:
+    """`passes` with capture="auto" settled: capture_regions captures nothing (its regions run
+    their own forward) when no other pass reads or rewrites a graph (`Pass.reads_graphs`) and
+    the caller does not want graphs (`graphs_wanted`: verify, print_before/after)."""
+    if graphs_wanted or any(p.reads_graphs for p in passes):
+        return passes
+    return [
+        CaptureRegions(dataclasses.replace(p.options, deferred=True))
+        if isinstance(p, CaptureRegions) and p.options.mode == "auto"
+        else p
+        for p in passes
+    ]

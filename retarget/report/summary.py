@@ -67,7 +67,9 @@ class Report:
             f"retarget report: {d['model']} ({d['parameters']:,} parameters)",
             f"target: {d['target']}    capture: {d['capture']}"
             + (
-                "    (lazy: no example_inputs, regions captured at first call)" if d["lazy"] else ""
+                "    (lazy: no example_inputs, regions captured at first call)"
+                if d["lazy"] and not d["capture"].startswith("none")
+                else ""
             ),
             "",
             "regions",
@@ -202,6 +204,10 @@ def _table(rows: list[tuple[str, ...]], limit: int = 90) -> list[str]:
 def _capture_in_effect(program: Program) -> str:
     """The capture mode that ran: capture="whole" falls back to regions when the whole model
     cannot be captured, and the report says so with the reason, not "whole"."""
+    if program.capture == "auto":
+        if program.regions and all(r.deferred for r in program.regions):
+            return "none (auto: no pass reads a graph; capture='regions' captures)"
+        return "regions" if program.regions else "auto"
     if program.capture != "whole" or any(r.paths == [""] for r in program.regions):
         return program.capture
     record = next((r for r in program.history if r.name == "capture_regions"), None)

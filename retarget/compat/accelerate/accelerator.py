@@ -241,7 +241,9 @@ class Accelerator(ProcessStateFacade, StepMethods, StateMethods, ParityMembers, 
             # capture runs the model where it is; under xla that is still the CPU
             where = torch.device("cpu") if "xla" in self.target else self.device
             example = example_inputs_for(model, loaders[0], per_rank, where)
-        compiled = compile_for(model, self.target, example_inputs=example)
+        # "auto": Accelerate captures nothing, so neither does a target whose passes read no
+        # graph (fp32 ddp/fsdp): its first step does not wait for a torch.export per block.
+        compiled = compile_for(model, self.target, example_inputs=example, capture="auto")
         compiled.runtime.gradient_accumulation_steps = self.gradient_accumulation_steps
         # Accelerate divides every micro-step's loss by N, also in a window the end of the data
         # cuts short: scripts migrated from it must see the same gradients.

@@ -62,6 +62,7 @@ COUNTED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 class AnnotateShapes(Pass):
     name = "annotate_shapes"
+    reads_graphs = False
     summary = "shapes, dtypes, parameter counts and FLOPs per region and per Linear/Conv"
     requires = ("regions",)
     provides = ("shapes",)

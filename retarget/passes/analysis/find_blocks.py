@@ -41,6 +41,7 @@ class FindBlocksOptions:
 
 class FindBlocks(Pass):
     name = "find_blocks"
+    reads_graphs = False
     summary = "module tree as networkx; repeated blocks by structural hashing"
     provides = ("tree", "blocks")
     Options = FindBlocksOptions

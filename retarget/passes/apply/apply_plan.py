@@ -44,6 +44,7 @@ APPLIED_PARTS = frozenset({*STRATEGIES, "tp", "pp", "offload", "fp16"} - {"singl
 
 class ApplyPlan(Pass):
     name = "apply_plan"
+    reads_graphs = False
     summary = "realise the distribution plan on the process group; install the step guard"
     provides = ("applied",)
     # Every pass that records a distribution decision comes first.

@@ -7,6 +7,12 @@ Modes (`compile_for(capture=...)`):
 - "regions" (default): every repeated block found by find_blocks is a region; glue code
   (embeddings, HF wrappers, losses) stays eager. A model without repeated blocks is one region.
   Capture cost is then independent of depth.
+- "auto" (retarget.Accelerator's): "regions" when a pass of the pipeline reads or rewrites a
+  graph (`Pass.reads_graphs`: precision, fp8, quant, ac, compile, tp, pp, cp, a pass of the
+  user's, or compile_for's verify/print options); otherwise the regions are installed and not
+  captured (`Region.deferred`): each repeat runs its module's own forward, which is exactly what
+  its graph would compute (a capture is checked bit for bit against it), without the capture's
+  cost (a torch.export per block type, most of an uncompiled first step). The report says so.
 - "whole": the whole model is one region; when it cannot be captured, regions are used.
 - "eager": nothing is captured.
 
@@ -36,13 +42,15 @@ from retarget.ir.region import Region, running_eagerly
 from retarget.passes.base import Pass, PassResult
 from retarget.spec.grammar import Target
 
-MODES = ("regions", "whole", "eager")
+MODES = ("regions", "auto", "whole", "eager")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CaptureOptions:
     mode: str = "regions"
-    """regions | whole | eager (see the module docstring)."""
+    """regions | auto | whole | eager (see the module docstring)."""
+    deferred: bool = False
+    """auto, settled by the pipeline (`settle_capture`): no pass reads a graph, capture none."""
     frontends: tuple[str, ...] = tuple(FRONTENDS)
     """Frontends to try, in order; the rest of the order list is skipped."""
 
@@ -54,8 +62,13 @@ class CaptureOptions:
             raise ValueError(f"unknown frontend {unknown[0]!r}; frontends: {tuple(FRONTENDS)}")
 
 
+#: Why a deferred region has no graph (the report's reason column).
+DEFERRED_REASON = "no pass of '{target}' rewrites its graph: runs its own forward"
+
+
 class CaptureRegions(Pass):
     name = "capture_regions"
+    reads_graphs = False
     summary = "capture one graph per distinct block type, reuse it for every repeat"
     requires = ("blocks",)
     provides = ("regions",)
@@ -88,6 +101,14 @@ class CaptureRegions(Pass):
 
     def _capture_all(self, program: Program, regions: list[Region], notes: list[str]):
         self._install(program, regions)
+        if self.options.deferred:
+            for region in regions:
+                region.defer(DEFERRED_REASON.format(target=program.target))
+            notes.append(
+                "capture='auto': no pass of this target reads or rewrites a graph, so nothing "
+                "is captured; every repeat runs its own forward (capture='regions' captures)"
+            )
+            return regions
         if program.example is None:
             notes.append("no example_inputs: regions are captured lazily at their first call")
             return regions

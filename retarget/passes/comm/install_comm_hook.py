@@ -59,6 +59,7 @@ class CommHookOptions:
 
 class InstallCommHook(Pass):
     name = "comm_hook"
+    reads_graphs = False
     summary = "DDP communication hook: 16-bit all-reduce or PowerSGD (plan; installed at run)"
     requires = ("ddp",)
     provides = ("comm_hook",)

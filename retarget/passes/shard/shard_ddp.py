@@ -75,6 +75,7 @@ class DdpOptions:
 
 class ShardDdp(Pass):
     name = "shard_ddp"
+    reads_graphs = False
     summary = "replicate with DDP: gradients all-reduced in buckets (plan; applied by the runtime)"
     requires = ("regions",)
     provides = ("ddp",)

@@ -189,6 +189,7 @@ def _refuse_unsupported(part: Any, with_tp: bool, with_pp: bool = False) -> None
 
 class ShardFsdp(Pass):
     name = "shard_fsdp"
+    reads_graphs = False
     summary = "FSDP2 units: each repeated block plus the root, sharded over a mesh (plan)"
     requires = ("regions",)
     provides = ("fsdp",)

@@ -31,6 +31,7 @@ OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
 
 class ShardOptimizerState(Pass):
     name = "shard_optimizer_state"
+    reads_graphs = False
     summary = "ZeRO-1: optimizer state sharded over the DDP ranks (applied by runtime.prepare)"
     requires = ("ddp",)
     provides = ("zero1",)

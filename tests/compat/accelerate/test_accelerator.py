@@ -137,6 +137,11 @@ def test_prepare_compiles_models_with_a_loader_batch_as_example_inputs():
     assert isinstance(model, CompiledModule)
     report = model.report.to_dict()
     assert report["target"] == "single"
+    # fp32 "single" reads no graph: the blocks run their own forward (capture="auto")
+    assert not report["lazy"] and report["regions"][0]["frontend"] == "own forward"
+    bf16 = Accelerator(mixed_precision="bf16")
+    loader16 = DataLoader(rows, batch_size=4)
+    report = bf16.prepare(tiny_bert(), loader16)[0].report.to_dict()
     assert not report["lazy"] and report["regions"][0]["frontend"] == "export"
     # (inputs, labels) batches do not say what the model takes: capture waits for the call.
     net = accelerator.prepare(Net(), pairs())[0]
