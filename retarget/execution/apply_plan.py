@@ -263,8 +263,9 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     """torch's parallel styles over the "tp" dim, then fully_shard over "dp" for fsdp+tp."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from retarget.execution.apply_tp import apply_tp, recapture_split_regions
+    from retarget.execution.apply_tp import apply_tp
     from retarget.execution.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
+    from retarget.execution.tp_regions import recapture_split_regions
 
     tp = program.plan.tp
     fsdp = program.plan.fsdp

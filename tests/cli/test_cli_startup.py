@@ -41,6 +41,20 @@ def test_help_of_every_command_loads_no_torch():
     assert "torch" not in loaded
 
 
+#: torch modules a one-process fp32 script never needs, together about 0.7 s to import: DCP
+#: (which imports DTensor and FSDP), DTensor, FSDP.
+HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp")
+
+
+@pytest.mark.distributed  # starts a fresh interpreter
+def test_the_accelerator_and_compile_for_load_no_checkpointing_or_dtensor():
+    code = "import retarget\nretarget.Accelerator\nretarget.compile_for"
+    loaded = _modules_after(code)
+    assert "retarget.compat.accelerate.accelerator" in loaded  # the names were loaded
+    assert "retarget.driver.compile" in loaded
+    assert [m for m in HEAVY if m in loaded] == []
+
+
 @pytest.mark.distributed  # starts a fresh interpreter
 def test_a_name_read_from_retarget_is_the_library_object():
     code = (

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from retarget.runtime.state.folder import MANIFEST, CheckpointError
 from retarget.runtime.state.save_model import tied_weights
@@ -216,6 +215,9 @@ def _read_weights(folder: Path, index: int) -> dict[str, torch.Tensor]:
 def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """Full tensors into the model, whatever target shards or wraps it; tied keys Accelerate
     dropped from safetensors (the copies of one tensor) may be missing."""
+    # DCP's module imports DTensor and FSDP (0.7 s): imported when a checkpoint is read
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, strict=False)
     result = set_model_state_dict(model, state, options=options)
     missing = set(result.missing_keys) - set(tied_weights(model))

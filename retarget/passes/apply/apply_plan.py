@@ -31,7 +31,7 @@ import torch
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.execution.apply_plan import apply_plan
-from retarget.execution.apply_tp import regions_holding_split_modules
+from retarget.execution.tp_regions import regions_holding_split_modules
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult

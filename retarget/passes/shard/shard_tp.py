@@ -48,7 +48,7 @@ from retarget.core.tp_split_dims import (
     module_kind,
     split_dims,
 )
-from retarget.execution.apply_tp import regions_holding_split_modules
+from retarget.execution.tp_regions import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult

@@ -50,7 +50,6 @@ from retarget.runtime.state.checkpoint_objects import (
     CheckpointRegistry,
     NotCheckpointableError,
 )
-from retarget.runtime.state.dcp_state import load_model_state, save_model_state
 from retarget.runtime.state.folder import (
     CheckpointError,
     DamagedCheckpointError,
@@ -230,6 +229,8 @@ def _write_state(
     accumulation_step: int,
     state: ProcessState,
 ) -> None:
+    from retarget.runtime.state.dcp_state import save_model_state  # DCP: 0.7 s to import
+
     sharded = save_model_state(staging, objects, state)
     save_rank_state(
         staging, objects, rng, rank=state.rank, step=step, accumulation_step=accumulation_step
@@ -279,6 +280,8 @@ def load_state(
             "loader positions start afresh",
             stacklevel=2,
         )
+
+    from retarget.runtime.state.dcp_state import load_model_state  # DCP: 0.7 s to import
 
     load_model_state(folder, objects, state)
     saved = load_rank_state(folder, objects, rank=state.rank, per_rank=per_rank)

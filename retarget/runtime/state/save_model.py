@@ -33,8 +33,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
@@ -88,6 +86,10 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Under pp each stage's tensors are its own rank's (the others are emptied there): rank 0
     receives each rank's part (under fsdp+pp gathered whole over the stage's dp ranks first).
     """
+    # DCP's module imports DTensor and FSDP (0.7 s): imported when a model is saved
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
     applied = applied_of(model)
     if applied is None or applied.pipeline is None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
