@@ -177,8 +177,13 @@ def _wrapper_of(applied: Applied) -> str:
     if applied.kind == "pp":
         run = applied.pipeline
         text = f"pipeline stage {run.rank} of {run.plan.size} ({run.plan.schedule})"
-        if applied.mesh is not None:
-            text += f" + fully_shard per stage (mesh pp x dp {tuple(applied.mesh.shape)})"
+        names = applied.mesh.mesh_dim_names if applied.mesh is not None else ()
+        if "dp" in names:
+            text += " + fully_shard per stage"
+        if "tp" in names:
+            text += " + tp over each stage's blocks"
+        if names:
+            text += f" (mesh {' x '.join(names)} {tuple(applied.mesh.shape)})"
         return text
     if applied.kind == "tp":
         mesh = tuple(applied.mesh.shape)
@@ -238,7 +243,9 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 
 def _apply_pp(program: Program, state: ProcessState) -> Applied:
     """This rank's pipeline stages (execution.pipeline_stages); under fsdp+pp on a (pp, dp)
-    mesh, each stage module sharded with fully_shard over "dp"."""
+    mesh, each stage module sharded with fully_shard over "dp"; under tp+pp a "tp" dimension
+    last ((pp, tp), or (pp, dp, tp) for fsdp+tp+pp: torchtitan's order), each stage's blocks
+    split over it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from retarget.execution.pipeline_stages import apply_pipeline
@@ -246,13 +253,20 @@ def _apply_pp(program: Program, state: ProcessState) -> Applied:
     example = program.example
     ids = example.kwargs.get("input_ids", example.args[0] if example.args else None)
     broadcast_module_states(program.module)  # every stage starts from rank 0's weights
-    pp, fsdp, mesh, shard = program.plan.pp, program.plan.fsdp, None, None
+    pp, fsdp, tp = program.plan.pp, program.plan.fsdp, program.plan.tp
+    shape, names = [pp.size], ["pp"]
     if fsdp is not None:
-        mesh = init_device_mesh(
-            state.device.type, (pp.size, state.world_size // pp.size), mesh_dim_names=("pp", "dp")
-        )
+        shape.append(state.world_size // pp.size // (tp.size if tp is not None else 1))
+        names.append("dp")
+    if tp is not None:
+        shape.append(tp.size)
+        names.append("tp")
+    mesh, shard = None, None
+    if len(shape) > 1:
+        mesh = init_device_mesh(state.device.type, tuple(shape), mesh_dim_names=tuple(names))
+    if fsdp is not None:
         shard = fully_shard_arguments(fsdp, mesh["dp"])
-    run = apply_pipeline(program.module, program.original, pp, ids, state, mesh, shard)
+    run = apply_pipeline(program.module, program.original, pp, ids, state, mesh, shard, tp)
     return Applied("pp", state, pipeline=run, mesh=mesh)
 
 

@@ -55,10 +55,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from retarget.core.modules import release, release_replaced, released
-from retarget.core.plans import PpPlan
+from retarget.core.plans import PpPlan, TpPlan
 from retarget.core.slots import OUTER_FORWARD
 from retarget.execution.pipeline_split import prepare_split, use_original_parameters
-from retarget.execution.stage_forward import run_stage_forward
+from retarget.execution.pipeline_tp import settle_gradients, split_stage_blocks
+from retarget.execution.stage_forward import TRACED_PREFIX, run_stage_forward
 
 
 class _Logits(nn.Module):
@@ -110,6 +111,9 @@ class PipelineRun:
         self.device = device
         #: The other stages' parameters, emptied here and not requiring grad until unwrap().
         self.frozen = frozen
+        #: tp+pp: this rank's tp-split parameters, whose gradients are settled to their
+        #: placements after each step (pipeline_tp.settle_gradients).
+        self.split: list[nn.Parameter] = []
 
     @property
     def held(self) -> frozenset[int]:
@@ -193,6 +197,7 @@ class PipelineRun:
             self.schedule.step(target=labels, losses=losses)
         else:
             self.schedule.step()
+        settle_gradients(self.split)
         self.sum_tied_gradients()
         loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
         loss = loss.to(torch.float32)
@@ -210,10 +215,12 @@ def apply_pipeline(
     state: Any,
     mesh: Any = None,
     shard: dict[str, Any] | None = None,
+    tp: TpPlan | None = None,
 ) -> PipelineRun:
     """Trace and split `original`, build this rank's stages and schedule; wrap `module`'s
     calls. Under fsdp+pp `mesh` is the (pp, dp) mesh and `shard` fully_shard's arguments for
-    each of this rank's stage modules."""
+    each of this rank's stage modules; under tp+pp (fsdp+tp+pp) the mesh has a "tp" dimension
+    last and each stage's blocks compute on DTensors over it (pipeline_tp.py)."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -237,10 +244,21 @@ def apply_pipeline(
     used = use_original_parameters(traced, original, len(ranks))
     tied = _tied_weights(used, ranks, mesh)
     mine = [stage.index for stage in plan.stages_of(rank)]
+    split: dict[int, nn.Parameter] = {}
+    if tp is not None:  # each block of this rank's stages on DTensors over "tp"
+        blocks = list(dict.fromkeys(b for stage in plan.stages for b in stage.blocks))
+        for index in mine:
+            split |= split_stage_blocks(
+                traced.get_stage_module(index), blocks, TRACED_PREFIX, tp, original, mesh["tp"]
+            )
+        swap_parameters(module, split)
+        used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
     for index in mine:  # bf16 / ac inside the stage (stage_forward.py)
         run_stage_forward(traced.get_stage_module(index), plan, state.device.type)
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
+        # a tp-split parameter's sharded one replaces the user's original too
+        replaced |= {orig: replaced[id(new)] for orig, new in split.items() if id(new) in replaced}
         # In the compiled model, and in the other ranks' stage modules too (never run here,
         # but then every rank finds each tensor in the same stages: `storage`). The user's
         # model keeps its own Parameters (emptied below, refilled by unwrap), as under fsdp.
@@ -275,7 +293,10 @@ def apply_pipeline(
     driven = stages if plan.stages_per_rank > 1 else stages[0]
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
-    return PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
+    run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
+    if tp is not None and shard is None:  # FSDP2 settles its own gradients
+        run.split = [p for p in split.values()]
+    return run
 
 
 def _shard_stages(
@@ -326,8 +347,9 @@ def _tied_weights(
 ) -> list[TiedWeight]:
     """The weights used by stages on more than one rank (`ranks[i]`: stage i's), each with a
     process group of those ranks (made on every rank, in the same order: new_group is
-    collective). Under fsdp+pp (`mesh` (pp, dp)) one group per dp index, of the ranks at that
-    index; this rank keeps its own."""
+    collective). Under fsdp+pp, tp+pp and fsdp+tp+pp (`mesh` (pp, dp), (pp, tp) or (pp, dp,
+    tp)) one group per position in the other dimensions, of the ranks at that position; this
+    rank keeps its own."""
     users: dict[int, list[int]] = {}
     params: dict[int, Any] = {}
     for stage, mine in enumerate(used):
@@ -342,11 +364,13 @@ def _tied_weights(
             if mesh is None:
                 group = dist.new_group(holders)
             else:
-                grid = mesh.mesh.tolist()  # global ranks, [pp][dp]
+                # global ranks, [pp][the other dims flattened: dp, tp]
+                grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()
                 groups = [
                     dist.new_group([grid[h][d] for h in holders]) for d in range(len(grid[0]))
                 ]
-                group = groups[mesh["dp"].get_local_rank()]
+                me = dist.get_rank()
+                group = groups[next(row.index(me) for row in grid if me in row)]
             tied.append(TiedWeight(params[key], tuple(holders), group))
     return tied
 

@@ -161,18 +161,29 @@ def clip_grad_norm_over_stages(
     only: the norms of `counted` (the parameters whose norm this rank counts: a weight tied
     across stages is counted on one of them) are combined over the pipeline's process group (a
     sum of p-th powers, or the max for the inf-norm), so every stage clips by the same factor,
-    the one a single process would use. Under fsdp+pp a stage's gradients are DTensor shards:
-    their norm is combined over the stage's dp ranks first."""
+    the one a single process would use. Under fsdp+pp and tp+pp a stage's gradients are
+    DTensor shards: their norm is combined over the stage's dp and tp ranks first."""
     import math
 
     import torch.distributed as dist
 
     held = [p for p in params if p.grad is not None]
-    mine = [p.grad for p in counted if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(mine, norm_type) if mine else torch.zeros(())
-    if hasattr(local, "full_tensor"):  # fsdp+pp: the stage's norm over its dp shards
-        local = local.full_tensor()
-    local = local.to(torch.float32)
+    # One norm per mesh (plain tensors, tp's, fsdp's): a foreach over DTensors of different
+    # meshes, or beside plain tensors, is refused; each DTensor norm is made whole over its mesh.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in counted:
+        if p.grad is not None:
+            by_mesh.setdefault(_mesh_key(p.grad), []).append(p.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float())
+    if not norms:
+        local = torch.zeros(())
+    elif math.isinf(norm_type):
+        local = torch.stack(norms).max()
+    else:
+        local = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
@@ -180,8 +191,11 @@ def clip_grad_norm_over_stages(
         powered = local**norm_type
         dist.all_reduce(powered, group=group)
         total = powered ** (1.0 / norm_type)
-    if held:
-        torch.nn.utils.clip_grads_with_norm_(held, max_norm, total)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in held:
+        groups.setdefault(_mesh_key(p.grad), []).append(p)
+    for group_params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group_params, max_norm, total)
     return total
 
 

@@ -60,14 +60,16 @@ _CP_CONFLICTS = {
     "quant": f"'quant' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
     "offload": f"'offload' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",
 }
-#: Parts pp combines with: FSDP2 over the data-parallel ranks of each stage (fsdp+pp).
-_PP_WITH = ("fsdp", "zero3", "zero2", "bf16", "ac", "compile")
+#: Parts pp combines with: FSDP2 over the data-parallel ranks of each stage (fsdp+pp), tp
+#: inside each stage (tp+pp, fsdp+tp+pp).
+_PP_WITH = ("fsdp", "zero3", "zero2", "tp", "bf16", "ac", "compile")
 _PP_ALONE = (
     "pipeline parallelism combines with fsdp/zero3/zero2 (fsdp+pp[size=N]: N stages, FSDP2 "
-    "over the world / N ranks of each), bf16 (each stage under torch.autocast), ac (each "
-    "block of a stage recomputed) and compile (each block of a stage compiled) so far: its "
-    "stages are torch.distributed.pipelining's split of the exported model, which the graph "
-    "passes (fp8, quant, tp) do not rewrite yet"
+    "over the world / N ranks of each), tp (tp[size=T]+pp: each stage's blocks split over T "
+    "ranks), bf16 (each stage under torch.autocast), ac (each block of a stage recomputed) and "
+    "compile (each block of a stage compiled) so far: its stages are "
+    "torch.distributed.pipelining's split of the exported model, which the graph passes (fp8, "
+    "quant) do not rewrite yet"
 )
 #: Pairs of parts that cannot be combined, with the reason.
 CONFLICTS: dict[frozenset[str], str] = {

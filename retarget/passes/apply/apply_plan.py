@@ -63,7 +63,8 @@ class ApplyPlan(Pass):
             return PassResult(changed=False, notes=("nothing to distribute",))
         if not applied.applied:
             return PassResult(changed=False, notes=(f"not applied: {applied.reason}",))
-        if program.plan.tp is not None and program.example is not None:
+        # (under tp+pp the stages run, not the regions: pipeline_tp splits their blocks)
+        if program.plan.tp is not None and program.plan.pp is None and program.example is not None:
             capture_split_regions(program)
         stats = {"world_size": applied.world_size, "backend": applied.backend}
         return PassResult(changed=True, stats=stats, notes=(applied.wrapped,))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from retarget.execution.tp_regions import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
+from retarget.passes.shard.tp_beside_pp import blocks_only, degree_beside_pp
 from retarget.passes.shard.tp_params import per_rank_of
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import FSDP_STRATEGIES
@@ -76,6 +78,8 @@ class TpOptions:
     symmetric memory): CUDA, compile[backend=inductor] and sequence_parallel only."""
     data_parallel: str = ""
     """The fsdp-family part beside tp ("" when tp runs alone)."""
+    pipeline: bool = False
+    """pp beside tp: each pipeline stage runs on a tp group (execution/pipeline_tp.py)."""
 
     @classmethod
     def from_target(cls, target: Target) -> TpOptions:
@@ -88,10 +92,13 @@ class TpOptions:
             loss_parallel=values["loss_parallel"],
             async_tp=values["async_tp"],
             data_parallel=dp,
+            pipeline="pp" in target,
         )
 
     def degree(self, world_size: int) -> int:
         """The tp degree for a world of `world_size`; TargetNotSupportedError if it cannot be."""
+        if self.pipeline:
+            return degree_beside_pp(self, world_size)
         if self.size == 0:
             if self.data_parallel:
                 raise TargetNotSupportedError(
@@ -144,9 +151,20 @@ class ShardTp(Pass):
         plan = resolve_plan(program, options, size)
         plan = _with_counts(check_plan(program, plan), program)
         plan = dataclasses.replace(plan, async_tp=options.async_tp)
+        whole: list[str] = []
+        if options.pipeline:
+            plan, whole = blocks_only(program, plan)
         program.plan.tp = plan
-        recaptured = [r.name for r in regions_holding_split_modules(program, plan)]
+        recaptured = [] if options.pipeline else regions_holding_split_modules(program, plan)
+        recaptured = [r.name for r in recaptured]
         notes = [plan.describe()]
+        if whole:
+            warning = (
+                f"tp+pp: {', '.join(whole)} kept whole on every tp rank: inside a pipeline "
+                "stage tp splits the repeated blocks only"
+            )
+            warnings.warn(warning, stacklevel=2)
+            notes.append(warning)
         notes += [f"{path}: {rule.style} ({rule.reason})" for path, rule in plan.rules.items()]
         notes += [f"{p}: each of {n} fused parts split on its own" for p, n in plan.fused.items()]
         notes += [
@@ -156,6 +174,8 @@ class ShardTp(Pass):
         notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
         notes += [f"region {name}: captured again once split" for name in recaptured]
         mesh = [program.world.size // size, size] if options.data_parallel else [size]
+        if options.pipeline:  # (pp x dp) x tp: split_stages says how the rest divides
+            mesh = [program.world.size // size, size]
         stats = {"size": size, "rules": len(plan.rules), "mesh": mesh}
         return PassResult(changed=True, stats=stats, notes=tuple(notes))
 

@@ -94,6 +94,8 @@ class SplitStages(Pass):
     summary = "pipeline parallelism: the repeated blocks cut into balanced stages over the ranks"
     requires = ("regions", "shapes")
     provides = ("pipeline",)
+    # tp+pp: the stages span the processes / tp[size]
+    after = ("shard_tp",)
     numerics = Numerics("approx", rtol=1e-5, atol=1e-6)
     Options = SplitStagesOptions
 
@@ -107,6 +109,9 @@ class SplitStages(Pass):
 
     def run(self, program: Program) -> PassResult:
         options, world = self.options, program.world.size
+        # tp+pp: each stage runs on the T ranks of a tp group (shard_tp ran first and planned
+        # tp[size=T]); the pipeline spans world / T
+        world //= program.plan.tp.size if program.plan.tp is not None else 1
         size = options.size or world
         where = f"pp[size={size}]"
         sharded = any(n in program.target for n in FSDP_STRATEGIES)
@@ -120,6 +125,7 @@ class SplitStages(Pass):
             )
             raise TargetNotSupportedError(
                 f"{where}: the pipeline degree must be at least 2 and {beside}"
+                + (" (the processes over tp[size=...])" if "tp" in program.target else "")
             )
         per_rank = _stages_per_rank(options, where)
         count = size * per_rank
@@ -166,6 +172,12 @@ class SplitStages(Pass):
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
         autocast, checkpoint_every, compile_kwargs = _inside_stages(program)
+        if "tp" in program.target and checkpoint_every and compile_kwargs:
+            raise TargetNotSupportedError(
+                f"tp+{where}+ac+compile: a compiled block that recomputes DTensor ops fails in "
+                "torch's AOT autograd (it saves the device mesh as a tensor, torch 2.13); drop "
+                "ac or compile"
+            )
         if compile_kwargs and options.schedule in SPLIT_BACKWARD:
             raise TargetNotSupportedError(
                 f"{where}: schedule={options.schedule} splits each backward into the input's "
