@@ -2,7 +2,7 @@
 blocks cut into pipeline stages, one per rank (K per rank, looped, under interleaved-1f1b and
 zero-bubble), balanced by the FLOPs annotate_shapes counted.
 
-Contract: requires regions, shapes | provides pipeline | after -
+Contract: requires regions, shapes | provides pipeline | after shard_tp
     | numerics approx(rtol=1e-05, atol=1e-06) | options SplitStagesOptions
 
 The cut needs no help from the user: find_blocks knows where the model repeats, and the stages
