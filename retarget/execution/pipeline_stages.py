@@ -248,9 +248,8 @@ def apply_pipeline(
     if tp is not None:  # each block of this rank's stages on DTensors over "tp"
         blocks = list(dict.fromkeys(b for stage in plan.stages for b in stage.blocks))
         for index in mine:
-            split |= split_stage_blocks(
-                traced.get_stage_module(index), blocks, TRACED_PREFIX, tp, original, mesh["tp"]
-            )
+            stage_module = traced.get_stage_module(index)
+            split_stage_blocks(stage_module, blocks, TRACED_PREFIX, tp, original, mesh["tp"], split)
         swap_parameters(module, split)
         used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
     for index in mine:  # bf16 / ac inside the stage (stage_forward.py)

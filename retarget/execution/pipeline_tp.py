@@ -50,11 +50,12 @@ def split_stage_blocks(
     tp: TpPlan,
     original: nn.Module,
     mesh: Any,
-) -> dict[int, nn.Parameter]:
+    replaced: dict[int, nn.Parameter],
+) -> None:
     """Make the blocks of `stage_module` found at `prefix + path` compute on DTensors over
-    `mesh` (the tp mesh) as `tp` says; returns the DTensor Parameter that replaced each plain
-    one, by the plain one's id."""
-    replaced: dict[int, nn.Parameter] = {}
+    `mesh` (the tp mesh) as `tp` says; `replaced` gets (and, for a block cut between two of
+    this rank's stages, gives) the DTensor Parameter that replaces each plain one, by the
+    plain one's id."""
     for block in blocks:
         try:
             module = stage_module.get_submodule(prefix + block)
@@ -77,13 +78,13 @@ def split_stage_blocks(
                     "rowwise Linears are split (use tp[plan=auto] without sequence_parallel)"
                 )
             for key, param in list(sub._parameters.items()):
-                if param is None or id(param) in replaced:
+                if param is None:
                     continue
-                placement = _placement(style, key, param, original, path)
-                replaced[id(param)] = _distribute(param, mesh, placement)
+                if id(param) not in replaced:  # a block cut between two of this rank's stages
+                    placement = _placement(style, key, param, original, path)
+                    replaced[id(param)] = _distribute(param, mesh, placement)
                 sub._parameters[key] = replaced[id(param)]
         module.forward = functools.partial(_on_dtensors, module.forward, mesh)
-    return replaced
 
 
 def _placement(style: str, key: str, param: nn.Parameter, original: nn.Module, path: str) -> Any:
