@@ -242,7 +242,6 @@ def apply_pipeline(
     prepare_split(traced)
     ranks = [stage.rank for stage in plan.stages]  # stage i runs on rank i mod size
     used = use_original_parameters(traced, original, len(ranks))
-    tied = _tied_weights(used, ranks, mesh)
     mine = [stage.index for stage in plan.stages_of(rank)]
     split: dict[int, nn.Parameter] = {}
     if tp is not None:  # each block of this rank's stages on DTensors over "tp"
@@ -252,12 +251,11 @@ def apply_pipeline(
             split_stage_blocks(stage_module, blocks, TRACED_PREFIX, tp, original, mesh["tp"], split)
         swap_parameters(module, split)
         used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
+    tied = _tied_weights(used, ranks, mesh)
     for index in mine:  # bf16 / ac inside the stage (stage_forward.py)
         run_stage_forward(traced.get_stage_module(index), plan, state.device.type)
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
-        # a tp-split parameter's sharded one replaces the user's original too
-        replaced |= {orig: replaced[id(new)] for orig, new in split.items() if id(new) in replaced}
         # In the compiled model, and in the other ranks' stage modules too (never run here,
         # but then every rank finds each tensor in the same stages: `storage`). The user's
         # model keeps its own Parameters (emptied below, refilled by unwrap), as under fsdp.
@@ -294,7 +292,7 @@ def apply_pipeline(
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
     if tp is not None and shard is None:  # FSDP2 settles its own gradients
-        run.split = [p for p in split.values()]
+        run.split = list(split.values())
     return run
 
 

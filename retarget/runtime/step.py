@@ -125,21 +125,16 @@ def clip_grad_norm(
     every rank holds whole (Falcon's k and v) is read whole in the model's order, so those
     rows count once.
     """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    duplicated = []  # tp parameters whose fused parts every rank holds whole: counted once
+    duplicated, rest = [], []  # tp parameters whose fused parts every rank holds whole
     for param in params:
         order = getattr(param, ROW_ORDER, None)
-        if param.grad is not None and order is not None and order.whole:
-            duplicated.append(param)
-        elif param.grad is not None:
-            groups.setdefault(_mesh_key(param.grad), []).append(param)
+        whole = param.grad is not None and order is not None and order.whole
+        (duplicated if whole else rest).append(param)
+    groups = _by_mesh(rest)
     if len(groups) <= 1 and not duplicated:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norms = _group_norms(groups, norm_type)
     for param in duplicated:
         grad = getattr(param, ROW_ORDER).to_model(param.grad.full_tensor())
         norms.append(torch.nn.utils.get_total_norm([grad], norm_type))
@@ -148,6 +143,25 @@ def clip_grad_norm(
         if group:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _by_mesh(params: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """The parameters with a gradient, grouped by their gradient's mesh (None: plain tensors):
+    torch's norm and clip take one mesh at a time."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(_mesh_key(param.grad), []).append(param)
+    return groups
+
+
+def _group_norms(groups: dict[Any, list[torch.Tensor]], norm_type: float) -> list[torch.Tensor]:
+    """Each group's gradient norm, made whole over its mesh (a plain tensor)."""
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms
 
 
 def clip_grad_norm_over_stages(
@@ -167,23 +181,9 @@ def clip_grad_norm_over_stages(
 
     import torch.distributed as dist
 
-    held = [p for p in params if p.grad is not None]
-    # One norm per mesh (plain tensors, tp's, fsdp's): a foreach over DTensors of different
-    # meshes, or beside plain tensors, is refused; each DTensor norm is made whole over its mesh.
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for p in counted:
-        if p.grad is not None:
-            by_mesh.setdefault(_mesh_key(p.grad), []).append(p.grad)
-    norms = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float())
-    if not norms:
-        local = torch.zeros(())
-    elif math.isinf(norm_type):
-        local = torch.stack(norms).max()
-    else:
-        local = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+    # One norm per mesh (plain tensors, tp's, fsdp's), each made whole over its mesh.
+    norms = [norm.float() for norm in _group_norms(_by_mesh(counted), norm_type)]
+    local = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros(())
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
@@ -191,11 +191,8 @@ def clip_grad_norm_over_stages(
         powered = local**norm_type
         dist.all_reduce(powered, group=group)
         total = powered ** (1.0 / norm_type)
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in held:
-        groups.setdefault(_mesh_key(p.grad), []).append(p)
-    for group_params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group_params, max_norm, total)
+    for same_mesh in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total)
     return total
 
 

@@ -53,7 +53,7 @@ from retarget.execution.tp_regions import regions_holding_split_modules
 from retarget.ir.program import Program
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
-from retarget.passes.shard.tp_beside_pp import blocks_only, degree_beside_pp
+from retarget.passes.shard.tp_beside_pp import blocks_only, refuse_beside_pp
 from retarget.passes.shard.tp_params import per_rank_of
 from retarget.spec.grammar import Target
 from retarget.spec.strategies import FSDP_STRATEGIES
@@ -98,7 +98,7 @@ class TpOptions:
     def degree(self, world_size: int) -> int:
         """The tp degree for a world of `world_size`; TargetNotSupportedError if it cannot be."""
         if self.pipeline:
-            return degree_beside_pp(self, world_size)
+            refuse_beside_pp(self)
         if self.size == 0:
             if self.data_parallel:
                 raise TargetNotSupportedError(
@@ -110,7 +110,8 @@ class TpOptions:
             raise TargetNotSupportedError(
                 f"tp[size={self.size}] does not divide the {world_size} processes"
             )
-        if world_size > 1 and not self.data_parallel and self.size != world_size:
+        beside = self.data_parallel or self.pipeline  # the rest of the world runs copies
+        if world_size > 1 and not beside and self.size != world_size:
             raise TargetNotSupportedError(
                 f"tp[size={self.size}] alone on {world_size} processes would leave "
                 f"{world_size // self.size} copies that never synchronise: use fsdp+tp[size="
@@ -155,8 +156,8 @@ class ShardTp(Pass):
         if options.pipeline:
             plan, whole = blocks_only(program, plan)
         program.plan.tp = plan
-        recaptured = [] if options.pipeline else regions_holding_split_modules(program, plan)
-        recaptured = [r.name for r in recaptured]
+        split_regions = [] if options.pipeline else regions_holding_split_modules(program, plan)
+        recaptured = [region.name for region in split_regions]
         notes = [plan.describe()]
         if whole:
             warning = (
@@ -173,9 +174,9 @@ class ShardTp(Pass):
         ]
         notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
         notes += [f"region {name}: captured again once split" for name in recaptured]
-        mesh = [program.world.size // size, size] if options.data_parallel else [size]
-        if options.pipeline:  # (pp x dp) x tp: split_stages says how the rest divides
-            mesh = [program.world.size // size, size]
+        # beside pp the rest is (pp x dp): split_stages says how it divides
+        beside = options.data_parallel or options.pipeline
+        mesh = [program.world.size // size, size] if beside else [size]
         stats = {"size": size, "rules": len(plan.rules), "mesh": mesh}
         return PassResult(changed=True, stats=stats, notes=tuple(notes))
 

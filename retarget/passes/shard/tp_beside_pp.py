@@ -1,7 +1,7 @@
 """tp beside pp (tp+pp, fsdp+tp+pp): what shard_tp decides differently when each pipeline
 stage runs on a tp group.
 
-- `degree_beside_pp`: the tp degree must be given (the pipeline spans the processes / T, so
+- `refuse_beside_pp`: the tp degree must be given (the pipeline spans the processes / T, so
   it cannot default to the world), and the options whose layouts only the region graphs' tp
   implements (sequence_parallel, loss_parallel, async_tp) are refused by name;
 - `blocks_only`: the stages' blocks are split by execution/pipeline_tp (DTensor parameters
@@ -20,9 +20,10 @@ from retarget.ir.program import Program
 from retarget.passes.shard.stage_cuts import repeated_blocks
 
 
-def degree_beside_pp(options: Any, world_size: int) -> int:
-    """tp+pp: tp needs its size; a stage's blocks are split by DTensor's rules, which have
-    no sequence, vocabulary or async layouts (those are the region graphs' tp)."""
+def refuse_beside_pp(options: Any) -> None:
+    """tp+pp: tp needs its size (TpOptions.degree checks that it divides the world); a stage's
+    blocks are split by DTensor's rules, which have no sequence, vocabulary or async layouts
+    (those are the region graphs' tp)."""
     for option in ("sequence_parallel", "loss_parallel", "async_tp"):
         if getattr(options, option):
             raise TargetNotSupportedError(
@@ -34,11 +35,6 @@ def degree_beside_pp(options: Any, world_size: int) -> int:
             "tp+pp: say the tensor-parallel degree, tp[size=N] (each stage runs on N "
             "ranks; the pipeline spans the processes / N)"
         )
-    if world_size > 1 and world_size % options.size:
-        raise TargetNotSupportedError(
-            f"tp[size={options.size}] does not divide the {world_size} processes"
-        )
-    return options.size
 
 
 def blocks_only(program: Program, plan: TpPlan) -> tuple[TpPlan, list[str]]:
