@@ -9,11 +9,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from retarget.core.capturing import capturing_originals
+from retarget.kernels.fp8 import layout
 from retarget.kernels.fp8.layout import (
+    CPU_GEMM_ENV,
     ScaledMMLayoutError,
     broken_rules,
     check_scaled_mm,
     column_major,
+    cpu_fp8_gemm,
+    emulated_scaled_mm,
     scaled_mm,
 )
 from retarget.kernels.fp8.native import Float8Linear
@@ -82,6 +86,7 @@ def test_forward_and_backward_track_fp32_within_fp8_rounding(scaling, fmt):
     assert torch.allclose(got[3], want[3], rtol=1e-5, atol=1e-5)  # bias grad in high precision
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 def test_every_gemm_is_scaled_mm_on_float8_operands():
     _, fp8 = _pair(Fp8Recipe(scaling="current", format="hybrid"))
     x = torch.randn(4, 64, requires_grad=True)
@@ -95,6 +100,79 @@ def test_every_gemm_is_scaled_mm_on_float8_operands():
         ("aten._scaled_mm.default", [E5M2, E4M3], [(4, 128), (128, 64)]),
         ("aten._scaled_mm.default", [E5M2, E4M3], [(128, 16), (16, 64)]),
     ]
+
+
+def _fp8_operands(m, k, n, a_dtype, b_dtype, rowwise, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=gen) * 40).clamp(-440, 440).to(a_dtype)
+    b = (torch.randn(n, k, generator=gen) * 40).clamp(-440, 440).to(b_dtype).t()  # column-major
+    if rowwise:
+        scale_a = torch.rand(m, 1, generator=gen) / 100 + 1e-3
+        scale_b = torch.rand(1, n, generator=gen) / 100 + 1e-3
+    else:
+        scale_a, scale_b = torch.tensor(0.0123), torch.tensor(0.0021)
+    return a, b, scale_a, scale_b
+
+
+@pytest.mark.parametrize(
+    "a_dtype, b_dtype, rowwise, out_dtype",
+    [
+        (E4M3, E4M3, False, torch.float32),
+        (E5M2, E4M3, False, torch.float32),
+        (E4M3, E5M2, False, torch.bfloat16),
+        (E4M3, E4M3, True, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("m, k, n", [(32, 64, 48), (16, 256, 32)])
+def test_cpu_emulation_computes_what_scaled_mm_computes(
+    a_dtype, b_dtype, rowwise, out_dtype, m, k, n
+):
+    operands = _fp8_operands(m, k, n, a_dtype, b_dtype, rowwise)
+    want = torch._scaled_mm(*operands, out_dtype=out_dtype)
+    got = emulated_scaled_mm(*operands, out_dtype)
+    assert got.dtype == want.dtype == out_dtype and got.shape == want.shape == (m, n)
+    got, want = got.float(), want.float()
+    # The same exact products summed in another order: fp32 rounding of the sum, then the one
+    # rounding to out_dtype (a bf16 result may land one bf16 step, 2^-8 relative, away).
+    step = 2.0**-8 if out_dtype == torch.bfloat16 else 1e-6
+    bound = step * want.abs() + 1e-6 * want.abs().max()
+    assert ((got - want).abs() <= bound).all()
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_the_cpu_runs_the_emulation_by_default_and_scaled_mm_on_request():
+    _, fp8 = _pair(Fp8Recipe(scaling="current", format="hybrid"))
+    x = torch.randn(4, 64, requires_grad=True)
+    with OpRecorder() as emulated:
+        out = fp8(x)
+        out.sum().backward()
+    grads = x.grad.clone(), fp8.weight.grad.clone()
+    # The three GEMMs as fp32 matmuls of the same shapes as _scaled_mm's operands.
+    f32 = [torch.float32, torch.float32]
+    assert emulated.calls == [
+        ("aten.mm.default", f32, [(4, 64), (64, 128)]),
+        ("aten.mm.default", f32, [(4, 128), (128, 64)]),
+        ("aten.mm.default", f32, [(128, 16), (16, 64)]),
+    ]
+    x.grad = fp8.weight.grad = None
+    with cpu_fp8_gemm("scaled_mm"), OpRecorder() as reference:
+        again = fp8(x)
+        again.sum().backward()
+    assert [name for name, _, _ in reference.calls] == ["aten._scaled_mm.default"] * 3
+    assert torch.allclose(out, again, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grads[0], x.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grads[1], fp8.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_cpu_gemm_is_refused_naming_the_choices(monkeypatch):
+    monkeypatch.setenv(CPU_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="RETARGET_FP8_CPU_GEMM='fast': choose one of emulated"):
+        layout._initial_cpu_gemm()
+    monkeypatch.setenv(CPU_GEMM_ENV, "scaled_mm")
+    assert layout._initial_cpu_gemm() == "scaled_mm"
+    with pytest.raises(ValueError, match="choose one of emulated, scaled_mm"):
+        with cpu_fp8_gemm("fast"):
+            pass
 
 
 def test_wgrad_pads_tokens_and_matches_unpadded_result():
@@ -148,6 +226,7 @@ def test_layers_with_dims_not_multiple_of_16_are_refused_by_our_check():
         fp8(torch.randn(4, 24))
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 @pytest.mark.parametrize(
     "override, forward_fp8, backward_fp8",
     [((True, False, False), 0, 2), ((False, True, False), 1, 1), ((False, True, True), 1, 0)],
@@ -167,6 +246,7 @@ def test_override_linear_precision_runs_those_gemms_in_high_precision(
         assert torch.allclose(out, reference(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 def test_eval_runs_the_plain_linear_unless_autocast_eval():
     reference, fp8 = _pair(Fp8Recipe(scaling="delayed"))
     fp8.eval()

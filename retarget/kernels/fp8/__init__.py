@@ -9,7 +9,13 @@ The `swap_fp8` pass (`retarget.passes.precision.swap_fp8`, with its eligibility 
 """
 
 from retarget.kernels.fp8.backends import BACKENDS, Environment, Fp8BackendError, select_backend
-from retarget.kernels.fp8.layout import ScaledMMLayoutError, check_scaled_mm, scaled_mm
+from retarget.kernels.fp8.layout import (
+    ScaledMMLayoutError,
+    check_scaled_mm,
+    cpu_fp8_gemm,
+    emulated_scaled_mm,
+    scaled_mm,
+)
 from retarget.kernels.fp8.native import Float8Linear, fp8_linear
 from retarget.kernels.fp8.recipe import DelayedScaling, Fp8Recipe, amax_to_scale
 
@@ -23,6 +29,8 @@ __all__ = [
     "ScaledMMLayoutError",
     "amax_to_scale",
     "check_scaled_mm",
+    "cpu_fp8_gemm",
+    "emulated_scaled_mm",
     "fp8_linear",
     "scaled_mm",
     "select_backend",

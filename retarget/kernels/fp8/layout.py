@@ -10,11 +10,22 @@ and cuBLASLt's FP8 requirements). Where CUDA builds differ we keep the strictest
 
 A row-major weight `w` of shape (N, K) gives the column-major `b` for free as `w.t()`; any other
 operand is made column-major with `column_major(t)` (one copy).
+
+On the CPU the GEMM itself is emulated by default: torch's CPU `_scaled_mm` is a slow reference
+kernel on some processors (on an Intel Xeon with AMX, 220x an fp32 matmul of the same
+128x1024x1024 shape; on an AMD EPYC a few times), while every float8 value is exact in float32,
+so `a.float() @ b.float()` multiplies the same numbers, and the scales are applied to the fp32
+product as `_scaled_mm` applies them. Only the summation order differs (checked against
+`_scaled_mm` in tests/kernels/test_fp8_native.py). `RETARGET_FP8_CPU_GEMM=scaled_mm`, or
+`with cpu_fp8_gemm("scaled_mm"):`, runs torch's kernel instead; CUDA always runs `_scaled_mm`.
+The layout rules above are checked either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +155,49 @@ def check_scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> None:
         raise ScaledMMLayoutError(f"_scaled_mm would fail on CUDA ({shapes}): {detail}")
 
 
+#: How a float8 GEMM runs on the CPU: "emulated" (fp32 matmul of the float8 values, scaled) or
+#: "scaled_mm" (torch's CPU kernel). A setting, read at each call; see `cpu_fp8_gemm`.
+CPU_GEMMS = ("emulated", "scaled_mm")
+CPU_GEMM_ENV = "RETARGET_FP8_CPU_GEMM"
+
+
+def _initial_cpu_gemm() -> str:
+    kind = os.environ.get(CPU_GEMM_ENV) or "emulated"
+    if kind not in CPU_GEMMS:
+        raise ValueError(f"{CPU_GEMM_ENV}={kind!r}: choose one of {', '.join(CPU_GEMMS)}")
+    return kind
+
+
+_cpu_gemm = _initial_cpu_gemm()
+
+
+@contextlib.contextmanager
+def cpu_fp8_gemm(kind: str) -> Iterator[None]:
+    """Run the float8 GEMMs of the block on the CPU as `kind` ("emulated" or "scaled_mm")."""
+    global _cpu_gemm
+    if kind not in CPU_GEMMS:
+        raise ValueError(f"cpu_fp8_gemm({kind!r}): choose one of {', '.join(CPU_GEMMS)}")
+    previous, _cpu_gemm = _cpu_gemm, kind
+    try:
+        yield
+    finally:
+        _cpu_gemm = previous
+
+
+def emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+    """What `torch._scaled_mm` computes, as an fp32 matmul of the float8 values, then scaled.
+
+    out[i, j] = (sum_k a[i, k] * b[k, j]) * scale_a[i or 0] * scale_b[j or 0], accumulated in
+    fp32 and cast to `out_dtype` once, as `_scaled_mm` does; the products are exact.
+    """
+    out = torch.mm(a.to(torch.float32), b.to(torch.float32))
+    return (out * (scale_a * scale_b)).to(out_dtype)
+
+
 def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
-    """`torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)` after checking CUDA's rules."""
+    """`torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)` after checking CUDA's rules
+    (emulated on the CPU unless `cpu_fp8_gemm("scaled_mm")`; see the module docstring)."""
     check_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    if a.device.type == "cpu" and _cpu_gemm == "emulated":
+        return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype)
     return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)

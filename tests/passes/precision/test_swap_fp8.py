@@ -99,6 +99,7 @@ def test_region_graph_calls_the_swapped_modules(llama):
     assert _record(compiled).stats["graph_module_calls"] == 7
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 def test_forward_inside_regions_runs_scaled_mm(llama):
     model, compiled = llama
     with OpRecorder() as ops:
@@ -112,6 +113,7 @@ def test_forward_inside_regions_runs_scaled_mm(llama):
     assert abs(loss.item() - reference.item()) / reference.item() < 0.01
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 def test_new_signatures_are_captured_and_routed_through_the_swap():
     model = LLAMA.factory()
     compiled = retarget.compile_for(model, SPEC, example_inputs=LLAMA.inputs(2))
@@ -312,6 +314,7 @@ def test_auto_picks_native_for_delayed_scaling_on_cpu():
     assert analysis["backend"] == "native" and analysis["why"].startswith("auto:")
 
 
+@pytest.mark.usefixtures("reference_fp8_gemm")
 def test_eager_regions_run_the_swapped_modules_too():
     entry = ZOO["uncapturable_block_model"]
     model = entry.factory()
