@@ -1,8 +1,11 @@
 """Shared test helpers: run a model on zoo inputs and compare outputs and gradients exactly; the
-test device switch (`RETARGET_TEST_DEVICE`, see `device`)."""
+test device switch (`RETARGET_TEST_DEVICE`, see `device`); the suite's run in two xdist workers
+(distributed tests alone: tests/core_share.py), its time and memory report
+(tests/memory_report.py), and what each finished test module leaves released."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.core_share import SHARED_CORES_ENV, CoreShare  # noqa: E402
 from tests.memory_report import MemoryReport  # noqa: E402
 from tests.zoo import call, loss_of  # noqa: E402
 
@@ -118,6 +122,33 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def release_what_the_module_left():
+    """After each test module: dynamo's caches reset and garbage collected. A compiled graph
+    sits in dynamo's cache on the code object it was compiled for, with the fake tensors (and
+    their autograd graphs) of its node meta, long after the test that made it ended: without
+    this the suite held ~1,500 such tensors mid-run, growing with the number of tests."""
+    yield
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def graph_tensors_alive() -> int:
+    """Tensors with an autograd graph (`grad_fn`) still alive in this process, after a gc."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn)
+
+
+@pytest.fixture
+def reference_fp8_gemm():
+    """The test's float8 GEMMs run torch's `_scaled_mm` on the CPU too, not the CPU's default
+    emulation (retarget/kernels/fp8/layout.py): for the tests that check which GEMM runs."""
+    from retarget.kernels.fp8.layout import cpu_fp8_gemm
+
+    with cpu_fp8_gemm("scaled_mm"):
+        yield
+
+
 @pytest.fixture
 def fresh_rng():
     state = torch.random.get_rng_state()
@@ -142,12 +173,48 @@ def world_of_one(monkeypatch):
     ProcessState.reset()
 
 
+pytest_plugins = ["pytester"]  # tests/test_memory_report.py runs pytest on small modules
+
 _memory: MemoryReport | None = None
+#: Under pytest-xdist, the lock that runs distributed tests alone (tests/core_share.py).
+_cores: CoreShare | None = None
+#: The intra-op threads torch starts with here (one per core).
+_cores_here = torch.get_num_threads()
+#: The key a worker's memory and time figures travel under to the controller.
+_WORKER_FIGURES = "retarget_suite_figures"
 
 
 def pytest_sessionstart(session):
-    global _memory
+    global _memory, _cores
     _memory = MemoryReport()
+    # Only a real xdist worker has `workerinput`: a pytest started inside a test (the GPU
+    # script's dry run) inherits the worker's PYTEST_XDIST_* variables, and taking the lock
+    # there would wait for the very test that started it.
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None:
+        _cores = CoreShare.for_run(workerinput["testrunuid"])
+        # Nor should a test's subprocess see them: pytest-benchmark, started by `retarget
+        # bench`, takes them for xdist and disables itself. Under the workers, ranks may start
+        # only in a test holding the lock alone (tests/distributed.py reads this).
+        for name in [n for n in os.environ if n.startswith("PYTEST_XDIST_")]:
+            del os.environ[name]
+        os.environ[SHARED_CORES_ENV] = "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _cores is None:
+        yield
+        return
+    alone = item.get_closest_marker("distributed") is not None
+    # Beside the other worker a test gets one intra-op thread (two workers of two OpenMP
+    # threads on two cores spin against each other); alone, every core, as without xdist.
+    torch.set_num_threads(_cores_here if alone else 1)
+    try:
+        with _cores.hold(alone=alone):
+            yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def pytest_runtest_setup(item):
@@ -155,10 +222,29 @@ def pytest_runtest_setup(item):
         _memory.enter(str(item.path))
 
 
+def pytest_runtest_logreport(report):
+    # In the controller this sees every worker's reports too: per-test times are kept there.
+    if _memory is not None:
+        _memory.record_test(report.nodeid, report.duration)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown without it
+def pytest_testnodedown(node, error):
+    figures = getattr(node, "workeroutput", {}).get(_WORKER_FIGURES)
+    if _memory is not None and figures is not None:
+        _memory.merge(node.gateway.id, figures)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if _cores is not None:
+        _cores.close()
     if _memory is None:
         return
     _memory.close()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports and checks
+        workeroutput[_WORKER_FIGURES] = _memory.to_dict()
+        return
     if _memory.over_limits() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -166,7 +252,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     if _memory is None:
         return
-    for line in _memory.lines():
+    for line in [*_memory.lines(), *_memory.slowest_tests()]:
         terminalreporter.write_line(line)
     for line in _memory.over_limits():
         terminalreporter.write_line(f"memory over its limit: {line}", red=True)

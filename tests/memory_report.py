@@ -8,8 +8,13 @@ under it, not what earlier files left. The end of the run prints the run's peak,
 the largest files, and fails the run when the peak or a file's peak passes its limit
 (`RETARGET_TEST_RSS_LIMIT_GB`, `RETARGET_TEST_FILE_RSS_LIMIT_GB`; 8 and 4 by default).
 Subprocesses (the ranks of distributed tests) are measured apart: the largest one is printed.
-The slowest files are printed too (wall time from a file's first test to the next file's), so a
-CI log says where its minutes went.
+The slowest files are printed too (wall time from a file's first test to the next file's), and
+the slowest tests (setup, call and teardown together), so a CI log says where its minutes went.
+
+Under pytest-xdist every worker measures the files it ran and hands its figures to the
+controller at the end (`to_dict` / `merge`); the controller prints one report: a file's peak is
+that of the worker process that ran it, the run's peak is the largest worker's, and the workers'
+peaks are also printed summed (what the machine held at most).
 
 Where /proc is missing (not Linux), nothing is measured and nothing is checked.
 """
@@ -45,6 +50,11 @@ def _reset_peak() -> bool:
     return True
 
 
+def _children_bytes() -> int:
+    """The largest subprocess this process has waited for (its peak resident set)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
 def _limit(name: str, default: float) -> float:
     return float(os.environ.get(name, default)) * GIB
 
@@ -62,6 +72,12 @@ class MemoryReport:
         #: Start-up and collection (importing every test module), read at the first test.
         self.collection_peak: int | None = None
         self.measured = _status_bytes("VmHWM") is not None
+        #: Seconds per test (node id), setup + call + teardown.
+        self.tests: dict[str, float] = {}
+        #: Peak resident bytes of each xdist worker (merged in; empty without xdist).
+        self.worker_peaks: dict[str, int] = {}
+        #: The largest subprocess any worker started (merged in).
+        self.worker_children = 0
 
     def enter(self, file: str) -> None:
         if file == self.file:
@@ -83,8 +99,42 @@ class MemoryReport:
             self.peaks[self.file] = max(peak, self.peaks.get(self.file, 0))
         self.file = None
 
+    def record_test(self, nodeid: str, seconds: float) -> None:
+        """Add one phase (setup, call or teardown) of a test to its time."""
+        self.tests[nodeid] = self.tests.get(nodeid, 0.0) + seconds
+
+    def to_dict(self) -> dict:
+        """A worker's figures, for the controller's `merge` (plain types: xdist sends them)."""
+        self.close()
+        return {
+            "peaks": self.peaks,
+            "seconds": self.seconds,
+            "collection_peak": self.collection_peak,
+            "measured": self.measured,
+            "children": _children_bytes(),
+        }
+
+    def merge(self, worker: str, figures: dict) -> None:
+        """Take in one worker's figures (a file's peak is the larger of two, seconds add)."""
+        for file, peak in figures["peaks"].items():
+            self.peaks[file] = max(peak, self.peaks.get(file, 0))
+        for file, seconds in figures["seconds"].items():
+            self.seconds[file] = self.seconds.get(file, 0.0) + seconds
+        peak = max([figures["collection_peak"] or 0, *figures["peaks"].values()])
+        self.worker_peaks[worker] = peak
+        self.collection_peak = max(self.collection_peak or 0, figures["collection_peak"] or 0)
+        self.measured = self.measured and figures["measured"]
+        self.worker_children = max(self.worker_children, figures["children"])
+
     def run_peak(self) -> int:
         return max([self.collection_peak or 0, *self.peaks.values()])
+
+    def slowest_tests(self, top: int = 30) -> list[str]:
+        """The `top` slowest tests, one line each (seconds, then the test's id)."""
+        slowest = sorted(self.tests.items(), key=lambda kv: -kv[1])[:top]
+        return [f"slowest {len(slowest)} tests (seconds, setup + call + teardown):"] + [
+            f"  {seconds:7.1f}  {nodeid}" for nodeid, seconds in slowest
+        ]
 
     def slowest_line(self, top: int = 12) -> str:
         slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:top]
@@ -99,14 +149,19 @@ class MemoryReport:
                 f"test run: {int(minutes)}:{seconds:04.1f}; resident memory not measured here",
                 self.slowest_line(),
             ]
-        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        children = max(_children_bytes(), self.worker_children)
         largest = sorted(self.peaks.items(), key=lambda kv: -kv[1])[:top]
         limit = _limit("RETARGET_TEST_RSS_LIMIT_GB", 8)
+        workers = ""
+        if self.worker_peaks:
+            each = ", ".join(f"{w} {b / GIB:.2f}" for w, b in sorted(self.worker_peaks.items()))
+            total = sum(self.worker_peaks.values()) / GIB
+            workers = f"; {len(self.worker_peaks)} workers ({each}; together at most {total:.2f})"
         return [
             f"test run: {int(minutes)}:{seconds:04.1f}, peak resident memory "
             f"{self.run_peak() / GIB:.2f} GiB (limit {limit / GIB:g}),"
             f" collection {(self.collection_peak or 0) / GIB:.2f} GiB, largest subprocess "
-            f"{children / GIB:.2f} GiB",
+            f"{children / GIB:.2f} GiB{workers}",
             "largest test files (peak resident memory while each ran): "
             + ", ".join(f"{Path(f).name} {b / GIB:.2f}" for f, b in largest),
             self.slowest_line(),

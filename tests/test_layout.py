@@ -76,10 +76,13 @@ def test_tests_mirror_the_package():
             assert (PACKAGE / folder).is_dir(), f"{_relative(path)}: no package retarget/{folder}"
     top = sorted(p.name for p in tests.glob("test_*.py"))
     # whole-repository checks only: the layout, the README, the test device switch (conftest.py),
-    # the suite's time and memory report (tests/memory_report.py) and the prepared GPU script
-    # (bench/gpu/run.sh)
+    # the suite's time and memory report (tests/memory_report.py), its two workers' lock
+    # (tests/core_share.py), its pooled gloo worlds (tests/distributed.py) and the prepared GPU
+    # script (bench/gpu/run.sh)
     whole = [
+        "test_core_share.py",
         "test_device_switch.py",
+        "test_distributed.py",
         "test_gpu_script.py",
         "test_layout.py",
         "test_memory_report.py",

@@ -20,3 +20,37 @@ def test_each_file_is_charged_the_time_until_the_next_file_starts():
     line = report.slowest_line()
     assert line.index("test_slow.py") < line.index("test_quick.py")
     assert any(line == text for text in report.lines())
+
+
+MODULE_THAT_COMPILES = """
+import torch
+from torch import nn
+
+def test_compiles_and_steps():
+    model = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)),
+                          backend="eager")
+    model(torch.randn(4, 8)).sum().backward()
+"""
+
+MODULE_AFTER = """
+from tests.conftest import graph_tensors_alive
+
+def test_nothing_of_the_previous_module_is_alive():
+    import json, os
+    before = json.loads(os.environ["GRAPH_TENSORS_BEFORE"])
+    assert graph_tensors_alive() <= before
+"""
+
+
+def test_a_finished_module_leaves_no_graph_behind(pytester, monkeypatch):
+    """A module that compiles leaves dynamo's cache holding its graph's fake tensors (each with
+    an autograd graph); the suite's module fixture releases them before the next module."""
+    from tests.conftest import graph_tensors_alive
+
+    monkeypatch.setenv("GRAPH_TENSORS_BEFORE", str(graph_tensors_alive()))
+    pytester.makeconftest("from tests.conftest import release_what_the_module_left  # noqa")
+    pytester.makepyfile(test_a=MODULE_THAT_COMPILES, test_b=MODULE_AFTER)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    # Without the fixture the second module sees the first one's graph alive.
+    pytester.makeconftest("")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)

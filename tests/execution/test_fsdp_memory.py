@@ -16,7 +16,7 @@ from tests.fsdp_memory_ranks import TARGETS, memory_rank, sharding_rank
 
 @pytest.mark.distributed
 def test_a_rank_holds_its_shards_and_unwrap_gathers_the_trained_weights(tmp_path):
-    for rank, out in enumerate(run_ranks(memory_rank, 2, str(tmp_path), timeout=300)):
+    for rank, out in enumerate(run_ranks(memory_rank, 2, str(tmp_path), timeout=300, fresh=True)):
         for target in TARGETS:
             held, bound, full = out[target]["held"], out[target]["bound"], out[target]["full"]
             print(rank, target, held, "bound", bound, "full model", full)
@@ -36,6 +36,6 @@ def test_sharding_never_holds_the_whole_model_and_its_shards_together():
     holds at most the model plus the one unit just sharded (about 1.25x the model here: the
     first block's shard beside everything still whole), never the model plus every shard made
     (1.5x on 2 ranks when the emptying waited for the last unit)."""
-    for out in run_ranks(sharding_rank, 2, timeout=300):
+    for out in run_ranks(sharding_rank, 2, timeout=300, fresh=True):
         assert out["units"] >= 3, out
         assert out["peak"] < 1.4 * out["full"], out

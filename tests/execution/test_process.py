@@ -95,7 +95,9 @@ def _rank1_dies(rank, world):
 def test_a_rank_killed_by_a_signal_fails_fast():
     import time
 
+    # Noticed by the dead rank's exit code, not by waiting the timeout out: the bound is 0.3 of
+    # the timeout, as it was at 30 of 100 s, with room for a loaded machine's slower start.
     start = time.monotonic()
     with pytest.raises(AssertionError, match="died without a result"):
-        run_ranks(_rank1_dies, 2, timeout=100)
-    assert time.monotonic() - start < 30
+        run_ranks(_rank1_dies, 2, timeout=600)
+    assert time.monotonic() - start < 180

@@ -117,7 +117,7 @@ def _rank_body(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_ranks_other_than_0_start_on_meta_and_train_from_rank_0s_weights():
-    outs = run_ranks(_rank_body, 2, timeout=400)
+    outs = run_ranks(_rank_body, 2, timeout=400, fresh=True)
     for rank, out in enumerate(outs):
         print(rank, {k: v for k, v in out.items() if k != "report"})
         assert out["same_weights"], f"rank {rank} does not hold rank 0's weights"

@@ -102,7 +102,7 @@ def _close(got: list[float], expected: list[float], rtol: float) -> None:
 @needs_xla
 @pytest.mark.parametrize("name", ["tiny_llama", "mlp"])
 def test_one_device_trains_like_cpu_eager(name):
-    (got,) = run_ranks(_train, 1, name, "xla[spmd=false]", timeout=600)
+    (got,) = run_ranks(_train, 1, name, "xla[spmd=false]", timeout=600, fresh=True)
     _close(got["losses"], got["reference"], 1e-5)
     assert got["device"].startswith("xla") and got["unwrapped_equal"]
     assert got["shards"] == {} and got["devices"] == 1
@@ -113,7 +113,7 @@ def test_one_device_trains_like_cpu_eager(name):
 @needs_xla
 def test_spmd_shards_each_block_weight_to_a_quarter_and_trains_like_eager():
     assert os.environ.get("CPU_NUM_DEVICES") == "4", "run the xla tests with CPU_NUM_DEVICES=4"
-    (got,) = run_ranks(_train, 1, "tiny_llama", "xla", timeout=600)
+    (got,) = run_ranks(_train, 1, "tiny_llama", "xla", timeout=600, fresh=True)
     _close(got["losses"], got["reference"], 1e-5)
     assert got["devices"] == 4 and got["shards"]
     for name, pieces in got["shards"].items():
@@ -129,7 +129,7 @@ def test_spmd_shards_each_block_weight_to_a_quarter_and_trains_like_eager():
 @pytest.mark.distributed
 @needs_xla
 def test_sharding_replicate_keeps_every_parameter_whole():
-    (got,) = run_ranks(_train, 1, "mlp", "xla[sharding=replicate]", timeout=600)
+    (got,) = run_ranks(_train, 1, "mlp", "xla[sharding=replicate]", timeout=600, fresh=True)
     _close(got["losses"], got["reference"], 1e-5)
     assert got["shards"] == {} and "devices=[4,1]" in got["batch_spec"]
 
@@ -137,7 +137,7 @@ def test_sharding_replicate_keeps_every_parameter_whole():
 @pytest.mark.distributed
 @needs_xla
 def test_bf16_on_xla_trains_within_bf16_tolerance():
-    (got,) = run_ranks(_train, 1, "tiny_llama", "xla[spmd=false]+bf16", timeout=600)
+    (got,) = run_ranks(_train, 1, "tiny_llama", "xla[spmd=false]+bf16", timeout=600, fresh=True)
     _close(got["losses"], got["reference"], 2e-2)
     assert got["losses"][-1] < got["losses"][0]
 
@@ -172,7 +172,7 @@ def _save_resume(rank: int, world: int, folder: str) -> dict:
 @pytest.mark.distributed
 @needs_xla
 def test_checkpoint_round_trip_from_xla_tensors(tmp_path):
-    got = run_ranks(_save_resume, 1, str(tmp_path / "ck"), timeout=600)[0]
+    got = run_ranks(_save_resume, 1, str(tmp_path / "ck"), timeout=600, fresh=True)[0]
     (straight, resumed) = got["weights"]
     assert len(straight) == len(resumed)
     for a, b in zip(straight, resumed, strict=True):
@@ -233,7 +233,7 @@ def _accelerator_trains(rank: int, world: int) -> dict:
 @pytest.mark.distributed
 @needs_xla
 def test_the_accelerator_under_pjrt_trains_on_xla():
-    (got,) = run_ranks(_accelerator_trains, 1, timeout=600)
+    (got,) = run_ranks(_accelerator_trains, 1, timeout=600, fresh=True)
     assert (got["target"], got["type"]) == ("xla", "XLA")
     assert got["device"].startswith("xla")
     _close(got["losses"], got["reference"], 1e-5)
@@ -255,6 +255,6 @@ def _cpu_backward_first(rank: int, world: int) -> str:
 def test_a_cpu_backward_before_xla_is_refused_saying_what_to_do():
     """torch's autograd engine sizes its device queues at its first backward; after a CPU one
     the first XLA backward would die on an internal assert (torch_xla alone does the same)."""
-    (message,) = run_ranks(_cpu_backward_first, 1, timeout=300)
+    (message,) = run_ranks(_cpu_backward_first, 1, timeout=300, fresh=True)
     assert "ran a backward on the CPU before torch_xla's runtime started" in message
     assert "before any other backward in the process, or train it in a fresh process" in message

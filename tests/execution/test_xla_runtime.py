@@ -141,7 +141,7 @@ def _dropout_after_restore(device: torch.device) -> dict:
 @pytest.fixture(scope="module")
 def loader_facts() -> dict:
     assert os.environ.get("CPU_NUM_DEVICES") == "4", "run the xla tests with CPU_NUM_DEVICES=4"
-    return run_ranks(_loader_facts, 1, timeout=900)[0]
+    return run_ranks(_loader_facts, 1, timeout=900, fresh=True)[0]
 
 
 @pytest.mark.distributed
@@ -225,7 +225,7 @@ def _shape_change(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_a_changed_shape_after_warm_up_is_counted_warned_once_and_reported():
-    (got,) = run_ranks(_shape_change, 1, timeout=600)
+    (got,) = run_ranks(_shape_change, 1, timeout=600, fresh=True)
     assert got["per_step"][3] == 0  # step 4: the fixed shape compiles nothing after warm-up
     assert set(got["recompiling"]) == {6} and got["recompiling"][6] > 0
     assert got["per_step"][6:] == [0, 0]  # steps 7 and 8: both shapes' graphs are cached
@@ -280,7 +280,7 @@ def _accelerator_loader(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_the_accelerators_prepared_loader_feeds_sharded_xla_batches():
-    (got,) = run_ranks(_accelerator_loader, 1, timeout=600)
+    (got,) = run_ranks(_accelerator_loader, 1, timeout=600, fresh=True)
     assert got["device"] == "xla:0"
     assert got["specs"] == ["{devices=[4,1]0,1,2,3}"] * 3
     for a, b in zip(got["losses"], got["reference"], strict=True):

@@ -73,6 +73,13 @@ def compiled_zoo(name: str, target: str = "bf16", device: torch.device | None = 
     return model, retarget.compile_for(model, target, example_inputs=example)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_zoo():
+    """The cache serves this module's tests; the models go with the module."""
+    yield
+    compiled_zoo.cache_clear()
+
+
 def grad_error(reference: dict, got: dict) -> float:
     assert reference.keys() == got.keys()
     assert all(g.dtype == torch.float32 for g in got.values())

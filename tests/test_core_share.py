@@ -1,0 +1,86 @@
+"""The suite's lock between its two xdist workers: in-process tests together, distributed alone.
+
+Each CoreShare below is its own pair of open files, as each worker's is, so flock treats them
+as different holders even in one process (threads stand in for the workers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tests.core_share import ALONE_ENV, SHARED_CORES_ENV, CoreShare
+from tests.distributed import run_ranks
+
+
+def _thread(fn) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_shared_holders_run_together(tmp_path):
+    first, second = CoreShare(tmp_path, "run"), CoreShare(tmp_path, "run")
+    inside = threading.Barrier(2, timeout=10)  # both must be inside at once to pass it
+
+    def hold(share):
+        with share.hold(alone=False):
+            inside.wait()
+
+    threads = [_thread(lambda s=s: hold(s)) for s in (first, second)]
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not inside.broken and not any(t.is_alive() for t in threads)
+
+
+def test_an_alone_holder_waits_for_the_shared_ones_and_goes_before_later_ones(tmp_path):
+    shared, alone, late = (CoreShare(tmp_path, "run") for _ in range(3))
+    events: list[str] = []
+    first_inside = threading.Event()
+
+    def first():
+        with shared.hold(alone=False):
+            first_inside.set()
+            time.sleep(0.4)
+            events.append("shared ends")
+
+    def exclusive():
+        with alone.hold(alone=True):
+            events.append("alone starts")
+            time.sleep(0.3)
+            events.append("alone ends")
+
+    def later():
+        with late.hold(alone=False):
+            events.append("later shared starts")
+
+    threads = [_thread(first)]
+    assert first_inside.wait(10)
+    threads.append(_thread(exclusive))
+    time.sleep(0.1)  # the alone holder is waiting at the gate now
+    threads.append(_thread(later))
+    for thread in threads:
+        thread.join(timeout=20)
+    assert events == ["shared ends", "alone starts", "alone ends", "later shared starts"]
+
+
+def test_the_alone_holder_is_marked_in_the_environment(tmp_path):
+    share = CoreShare(tmp_path, "run")
+    with share.hold(alone=True):
+        assert ALONE_ENV in os.environ
+    assert ALONE_ENV not in os.environ
+
+
+def _rank(rank, world):
+    return rank
+
+
+@pytest.mark.distributed  # run_ranks refuses before it starts any rank
+def test_ranks_are_refused_in_a_test_not_marked_distributed_under_xdist(monkeypatch):
+    monkeypatch.setenv(SHARED_CORES_ENV, "1")
+    monkeypatch.delenv(ALONE_ENV, raising=False)
+    with pytest.raises(AssertionError, match="mark it @pytest.mark.distributed"):
+        run_ranks(_rank, 2)

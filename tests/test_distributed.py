@@ -1,0 +1,118 @@
+"""tests/distributed.py's pooled worlds: a case sees what a freshly spawned rank sees, whatever
+the cases before it did, and a failed case never leaves its world to the next one."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests import distributed
+from tests.distributed import run_ranks
+
+
+def _warn() -> None:
+    warnings.warn("shown once per location", UserWarning, stacklevel=1)
+
+
+def _view(rank: int, world: int) -> dict:
+    """What a case starts with."""
+    import torch.distributed as dist
+
+    from retarget.execution.process import ProcessState
+
+    caught = []
+    shown, warnings.showwarning = warnings.showwarning, lambda *a, **k: caught.append(a[0])
+    try:
+        _warn()  # shown unless an earlier case showed it (the registry of this location)
+    finally:
+        warnings.showwarning = shown
+    state = ProcessState.current()
+    return {
+        "rank": (state.rank, state.world_size, os.environ["RANK"], os.environ["WORLD_SIZE"]),
+        "group": dist.get_world_size(),
+        "left_behind": os.environ.get("LEFT_BEHIND"),
+        "sent": os.environ.get("SENT_BY_THE_TEST"),
+        "cwd": os.getcwd(),
+        "first_random": torch.rand(3).tolist(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(torch.get_default_dtype()),
+        "warned": len(caught),
+    }
+
+
+def _mess(rank: int, world: int) -> None:
+    """Everything a case could leave behind."""
+    import torch.distributed as dist
+
+    from retarget.execution.process import ProcessState
+
+    ProcessState.current()
+    dist.new_group([0, 1])
+    os.environ["LEFT_BEHIND"] = "yes"
+    os.chdir("/")
+    torch.rand(100)
+    torch.set_num_threads(2)
+    torch.set_default_dtype(torch.float64)
+    _warn()
+
+
+@pytest.mark.distributed
+def test_a_pooled_case_starts_as_a_fresh_rank_whatever_came_before(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SENT_BY_THE_TEST", "1")
+    fresh = run_ranks(_view, 2, fresh=True)
+    run_ranks(_mess, 2)
+    world = distributed._worlds[2]
+    pooled = run_ranks(_view, 2)
+    assert distributed._worlds[2] is world  # the same processes served both cases
+    # Generators newly seeded from the OS, as in a new interpreter: no two ranks draw alike.
+    draws = [tuple(v.pop("first_random")) for v in (*fresh, *pooled)]
+    assert len(set(draws)) == 4
+    assert pooled == fresh
+    assert fresh[0]["sent"] == "1" and fresh[0]["cwd"] == str(tmp_path)
+    assert fresh[0]["left_behind"] is None and fresh[0]["warned"] == 1
+    assert [v["rank"] for v in pooled] == [(0, 2, "0", "2"), (1, 2, "1", "2")]
+
+
+def _fail_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one fails")
+    import torch.distributed as dist
+
+    from retarget.execution.process import ProcessState
+
+    ProcessState.current()
+    dist.barrier()  # left waiting for a peer that will not come
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_failed_case_fails_the_test_and_the_next_case_gets_a_new_world():
+    run_ranks(_view, 2)
+    before = distributed._worlds[2]
+    with pytest.raises(AssertionError, match="rank 1 failed:(.|\n)*rank one fails"):
+        run_ranks(_fail_on_rank_one, 2)
+    assert 2 not in distributed._worlds and not any(p.is_alive() for p in before.procs)
+    assert [v["rank"][0] for v in run_ranks(_view, 2)] == [0, 1]
+    assert distributed._worlds[2] is not before
+
+
+def _accelerate_ddp(rank: int, world: int) -> int:
+    """Accelerate's own Accelerator, as a script makes it: its state singletons are set here."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    return accelerator.num_processes + isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+@pytest.mark.distributed
+def test_accelerates_singletons_of_a_case_do_not_reach_the_next_case():
+    """Accelerate's state singletons remember a distributed state whose group the case's end
+    destroyed: without their clearing the second case fails ("Default process group has not
+    been initialized")."""
+    for _ in range(2):
+        assert run_ranks(_accelerate_ddp, 2) == [3, 3]
