@@ -30,6 +30,19 @@ SIZES: dict[str, Any] = {
     "max_position_embeddings": 64,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "moe_hidden_size": 32,
+    "intermediate_size_mlp": 128,
+    # Falcon's MLP width (4 x its default 4,544: 18,176 wide at any hidden size otherwise).
+    "ffn_hidden_size": 128,
+    # Multi-head latent attention's low ranks and DeepSeek-V3.2-style indexers (58M parameters
+    # at hidden 64 otherwise: an 8,192 x 1,536 indexer projection per layer).
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "o_lora_rank": 32,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
