@@ -17,7 +17,8 @@ the split (execution/apply_tp.py). With example inputs this pass makes that firs
 graph (and compile its compile) before the first step, and a split region no frontend
 captures is refused under compile (TargetNotSupportedError naming the region and why) rather
 than compiled as an eager form broken at the styles' hooks; without compile it runs its eager
-form, warned by compile_for.
+form, warned by compile_for. Under capture="auto" a split region whose graphs nothing reads
+(no rewrite, no compile) captures nothing and runs its own forward (execution/tp_regions.py).
 
     >>> compiled = retarget.compile_for(model, "fsdp+bf16", example_inputs=batch)
     >>> compiled.program.plan.applied     # world size, backend, what was wrapped
@@ -76,6 +77,8 @@ def capture_split_regions(program: Program) -> None:
     graph is refused."""
     example = program.example
     split = regions_holding_split_modules(program, program.plan.tp)
+    if all(region.deferred for region in split):
+        return  # capture="auto" and nothing reads their graphs: nothing to capture
     for region in split:
         region.captured_by_compile_for()
     with preserved_state(program.module), torch.enable_grad():

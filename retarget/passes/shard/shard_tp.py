@@ -173,7 +173,10 @@ class ShardTp(Pass):
             for p, w in plan.fused_widths.items()
         ]
         notes += [f"{p}: per rank {fixes}" for p, fixes in plan.attribute_fixes.items()]
-        notes += [f"region {name}: captured again once split" for name in recaptured]
+        again = "captured again once split"
+        if program.capture == "auto":  # execution/tp_regions.py: only if its graphs are read
+            again += " if a rewrite or compile reads its graphs, else runs its own forward"
+        notes += [f"region {name}: {again}" for name in recaptured]
         # beside pp the rest is (pp x dp): split_stages says how it divides
         beside = options.data_parallel or options.pipeline
         mesh = [program.world.size // size, size] if beside else [size]

@@ -4,7 +4,10 @@ gradient (gathered whole) equal one process's within 1e-5 relative for Llama (GQ
 through the runtime's backward and through `loss.backward()` itself; a few SGD steps track one
 process's loss; what `outputs.logits` is for metric code; generate() is refused by torch (the
 logits are a DTensor: a documented limit). (With sequence_parallel too: in
-tests/passes/shard/test_tp_sequence_parallel.py.)
+tests/passes/shard/test_tp_sequence_parallel.py.) The runtime's step runs the blocks' dynamo
+graphs captured after the split (capture="regions"); the direct backward, the training, the
+metrics and generate() compile with capture="auto", where the split blocks run their own
+forward (execution/tp_regions.py): both ways through loss_parallel's head.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def logits_for_metrics(rank: int, world: int) -> dict[str, Any]:
     hands it back); `.full_tensor()` makes it whole, argmax over it gives a replicated DTensor."""
     batch = tm.batch_for("lm", ROWS)
     reference = tm.llama()(**batch)
-    compiled = retarget.compile_for(tm.llama(), LP, example_inputs=_example("lm"))
+    compiled = retarget.compile_for(tm.llama(), LP, example_inputs=_example("lm"), capture="auto")
     outputs = compiled(**batch)
     logits = outputs.logits
     whole = logits.full_tensor()
@@ -59,10 +62,10 @@ def logits_for_metrics(rank: int, world: int) -> dict[str, Any]:
 def _lp_body(rank: int, world: int) -> dict[str, Any]:
     return {
         "runtime": one_step(rank, world, LP, ["llama", "qwen2"]),
-        "direct": one_step(rank, world, LP, ["llama"], direct=True),
-        "train": training(rank, world, LP, "llama"),
+        "direct": one_step(rank, world, LP, ["llama"], direct=True, capture="auto"),
+        "train": training(rank, world, LP, "llama", capture="auto"),
         "metrics": logits_for_metrics(rank, world),
-        "generate": generate(LP),
+        "generate": generate(LP, capture="auto"),
     }
 
 

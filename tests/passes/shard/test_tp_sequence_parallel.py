@@ -37,10 +37,11 @@ def one_step(
     seq: int = 0,
     direct: bool = False,
     padded: bool = False,
+    capture: str = "regions",
 ) -> dict:
     """(loss error, worst gradient error, DTensor parameters) per model against one process;
     the backward through the runtime, or `loss.backward()` itself (`direct`); `padded`: rows
-    right-padded (an attention mask, padded labels -100)."""
+    right-padded (an attention mask, padded labels -100); `capture`: compile_for's."""
 
     out = {}
     for name in names:
@@ -56,17 +57,21 @@ def one_step(
         reference = build()
         expected = tm.loss_of(reference, batch)
         expected.backward()
-        compiled = retarget.compile_for(build(), target, example_inputs=_example(kind))
+        compiled = retarget.compile_for(
+            build(), target, example_inputs=_example(kind), capture=capture
+        )
         out[name] = step_errors(rank, world, compiled, batch, reference, expected, direct)
     return out
 
 
-def training(rank: int, world: int, target: str, name: str) -> list[tuple[float, float]]:
+def training(
+    rank: int, world: int, target: str, name: str, capture: str = "regions"
+) -> list[tuple[float, float]]:
     """STEPS SGD steps with clipping through the runtime: (this rank's loss, one process's)."""
     build, _, kind = tm.MODELS[name]
     reference = build()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    compiled = retarget.compile_for(build(), target, example_inputs=_example(kind))
+    compiled = retarget.compile_for(build(), target, example_inputs=_example(kind), capture=capture)
     run = compiled.runtime
     optimizer = run.prepare(torch.optim.SGD(compiled.parameters(), lr=LR))
     losses = []
@@ -86,12 +91,14 @@ def training(rank: int, world: int, target: str, name: str) -> list[tuple[float,
     return losses
 
 
-def generate(target: str) -> tuple[bool, str]:
+def generate(target: str, capture: str = "regions") -> tuple[bool, str]:
     """Greedy generation with the KV cache (decode steps of one token: one rank's slice of
     the sequence is empty) equals one process's; or the error it raised."""
     ids = tm.batch_for("lm", 2)["input_ids"][:, :8]
     expected = tm.llama().eval().generate(ids, max_new_tokens=4, do_sample=False)
-    compiled = retarget.compile_for(tm.llama(), target, example_inputs=_example("lm")).eval()
+    example = _example("lm")
+    compiled = retarget.compile_for(tm.llama(), target, example_inputs=example, capture=capture)
+    compiled = compiled.eval()
     try:
         got = compiled.generate(ids, max_new_tokens=4, do_sample=False)
     except RuntimeError as error:

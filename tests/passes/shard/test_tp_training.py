@@ -5,6 +5,15 @@ plan derived from its graphs (plan=auto), and after an accumulation window under
 20 training steps track one process's loss within 1e-4; clip_grad_norm_ equals one process's;
 a checkpoint resumes bit for bit.
 
+Both ways a split block runs are checked: the plans derived from the graphs (plan=auto) compile
+with capture="regions", so every split block is captured again with dynamo after the split and
+runs that graph (so do the bf16+ac steps under capture="auto": their rewrites read the graphs);
+the hand plans, accumulation, training and checkpoints compile with capture="auto"
+(retarget.Accelerator's), where a split block nothing rewrites runs its own forward with the
+styles' hooks (execution/tp_regions.py), which is what the dynamo graph computes, without its
+capture (~7x the rest of a step on these CPUs). Each result records which way its blocks ran,
+and the checks below hold that it is the way asked.
+
 Several models share one launch (4 ranks on 2 shared cores are slow).
 """
 
@@ -20,11 +29,14 @@ from tests.distributed import run_ranks
 ROWS = 4
 STEPS = 20
 LR = 0.05
+#: The frontend each capture mode leaves a plain split block with (no rewrite on it, no compile).
+SPLIT_FRONTEND = {"regions": "dynamo", "auto": "own forward"}
 
 
 def _example(kind: str, world: int = 4) -> Any:
     """Example inputs with the rows each rank steps on (ROWS over the dp groups of a world of
-    tp pairs), so the split blocks' graphs captured at compile_for serve the steps."""
+    tp pairs), so the split blocks' graphs captured at compile_for (capture="regions") serve
+    the steps."""
     from tests import tp_models as tm
 
     batch = tm.batch_for(kind, ROWS // max(world // 2, 1), seed=9)
@@ -63,8 +75,8 @@ def _rows(batch: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, t
     return {k: v[index * n : (index + 1) * n] for k, v in batch.items()}
 
 
-def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str, Any]:
-
+def _one_step(rank: int, world: int, target: str, names: list[str], capture: str) -> dict[str, Any]:
+    """Each model's step errors (step_errors) and the frontends its split regions ran."""
     import retarget
     from tests import tp_models as tm
 
@@ -76,9 +88,20 @@ def _one_step(rank: int, world: int, target: str, names: list[str]) -> dict[str,
         expected = tm.loss_of(reference, batch)
         expected.backward()
         spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
-        out[name] = step_errors(rank, world, compiled, batch, reference, expected)
+        compiled = retarget.compile_for(
+            build(), spec, example_inputs=_example(kind, world), capture=capture
+        )
+        errors = step_errors(rank, world, compiled, batch, reference, expected)
+        out[name] = (*errors, split_frontends(compiled))
     return out
+
+
+def split_frontends(compiled: Any) -> set[str]:
+    """The frontends of the regions that hold a module the tp plan splits, after the steps."""
+    from retarget.execution.tp_regions import regions_holding_split_modules
+
+    program = compiled.program
+    return {r.frontend for r in regions_holding_split_modules(program, program.plan.tp)}
 
 
 def step_errors(
@@ -114,18 +137,20 @@ def _accumulated(rank: int, world: int, target: str, names: list[str]) -> dict[s
         reference = build()
         tm.loss_of(reference, batch).backward()
         spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
+        compiled = retarget.compile_for(
+            build(), spec, example_inputs=_example(kind, world), capture="auto"
+        )
         run = compiled.runtime
         mine = _rows(batch, rank // 2, world // 2)
         for row in range(2):
             with run.accumulate(2):
                 run.backward(tm.loss_of(compiled, {k: v[row : row + 1] for k, v in mine.items()}))
-        out[name] = gradient_errors(compiled, reference)
+        out[name] = (gradient_errors(compiled, reference), split_frontends(compiled))
     return out
 
 
 def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
-    """20 SGD steps with clipping, compiled (Runtime) against one process."""
+    """20 SGD steps with clipping, compiled (Runtime, capture="auto") against one process."""
     import retarget
     from tests import tp_models as tm
 
@@ -133,7 +158,9 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
     reference = build()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
-    compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
+    compiled = retarget.compile_for(
+        build(), spec, example_inputs=_example(kind, world), capture="auto"
+    )
     run = compiled.runtime
     optimizer = run.prepare(torch.optim.SGD(compiled.parameters(), lr=LR))
     losses, norms = [], []
@@ -161,6 +188,7 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
         "seen": seen,
         "gathered": sorted(sum(gathered, [])),
         "per_rank": _held_and_planned(compiled, rank // 2),
+        "frontends": split_frontends(compiled),
     }
 
 
@@ -176,7 +204,8 @@ def _held_and_planned(compiled: Any, dp_rank: int) -> tuple[list[int], list[int]
 
 def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> dict[str, Any]:
     """Train 3 steps, save_state, train 2 more; a fresh model resumed from the checkpoint must
-    take the same 2 steps bit for bit. save_model writes whole tensors equal to the live ones."""
+    take the same 2 steps bit for bit. save_model writes whole tensors equal to the live ones.
+    capture="auto": the split blocks run their own forward."""
     from safetensors.torch import load_file
 
     import retarget
@@ -188,7 +217,9 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     spec = target.format(plan=f"tests.tp_models:{name.upper()}_2")
 
     def fresh() -> tuple[Any, Any]:
-        compiled = retarget.compile_for(build(), spec, example_inputs=_example(kind, world))
+        compiled = retarget.compile_for(
+            build(), spec, example_inputs=_example(kind, world), capture="auto"
+        )
         return compiled, torch.optim.Adam(compiled.parameters(), lr=1e-3)
 
     def steps(compiled: Any, optimizer: Any, seeds: range) -> None:
@@ -212,7 +243,8 @@ def _checkpoint(rank: int, world: int, target: str, name: str, folder: str) -> d
     steps(resumed, resumed_optimizer, range(3, 5))
     got = whole_state(resumed)
     bitwise = list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got)
-    return {"saved_equal": saved_equal and len(written) > 0, "bitwise": bitwise}
+    ran = split_frontends(compiled) | split_frontends(resumed)
+    return {"saved_equal": saved_equal and len(written) > 0, "bitwise": bitwise, "ran": ran}
 
 
 def _bf16_ac(rank: int, world: int, name: str, plan: str = "") -> dict[str, Any]:
@@ -229,7 +261,11 @@ def _bf16_ac(rank: int, world: int, name: str, plan: str = "") -> dict[str, Any]
     expected = tm.loss_of(build(), batch).item()
     plan = plan or f"tests.tp_models:{name.upper()}_2"
     target = f"fsdp+tp[size=2,plan={plan}]+bf16+ac"
-    compiled = retarget.compile_for(build(), target, example_inputs=_example("lm", world))
+    # capture="auto": the autocast and checkpoint rewrites on the split blocks read their
+    # graphs, so the blocks are captured again after the split all the same.
+    compiled = retarget.compile_for(
+        build(), target, example_inputs=_example("lm", world), capture="auto"
+    )
     loss = tm.loss_of(compiled, _rows(batch, rank // 2, world // 2))
     loss.backward()
     total = loss.detach().float().clone()
@@ -237,6 +273,7 @@ def _bf16_ac(rank: int, world: int, name: str, plan: str = "") -> dict[str, Any]
     norm = compiled.runtime.clip_grad_norm_(compiled.parameters(), 1.0)
     ran = [r["name"] for r in compiled.report.to_dict()["passes"]]
     return {
+        "frontends": split_frontends(compiled),
         "error": abs(total.item() / world - expected) / expected,
         "norm": float(norm),
         "passes": ran,
@@ -261,11 +298,19 @@ def _accelerator_ranks() -> tuple[int, int, int]:
 
 
 def _check_one_step(result: dict[str, Any]) -> None:
-    """Hand plans ("step") and the plans derived from the graphs ("auto") alike."""
-    for plan in ("step", "auto"):
-        for name, (loss_error, grad_error, split) in result[plan].items():
+    """Hand plans ("step", capture="auto": own forward) and the plans derived from the graphs
+    ("auto", capture="regions": dynamo graphs) alike."""
+    for plan, capture in (("step", "auto"), ("auto", "regions")):
+        for name, (loss_error, grad_error, split, frontends) in result[plan].items():
             assert loss_error <= 1e-5 and grad_error <= 1e-5, (plan, name, loss_error, grad_error)
             assert split > 0, (plan, name)
+            assert frontends == {SPLIT_FRONTEND[capture]}, (plan, name, frontends)
+
+
+def _check_checkpoint(results: list[dict[str, Any]], key: str) -> None:
+    """Saved whole, resumed bit for bit, the split blocks on their own forward (capture=auto)."""
+    expected = {"saved_equal": True, "bitwise": True, "ran": {SPLIT_FRONTEND["auto"]}}
+    assert all(r[key] == expected for r in results), (key, [r[key] for r in results])
 
 
 def _check_steps(results: list[dict[str, Any]], world: int) -> None:
@@ -281,8 +326,8 @@ def _tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
     names = ["mlp", "llama", "qwen2", "qwen3", "neox", "codegen", "gpt2", "bert"]
     target = "tp[size=2,plan={plan}]"
     return {
-        "step": _one_step(rank, world, target, names),
-        "auto": _one_step(rank, world, "tp[size=2,plan=auto]", names),
+        "step": _one_step(rank, world, target, names, "auto"),
+        "auto": _one_step(rank, world, "tp[size=2,plan=auto]", names, "regions"),
         "train": _training(rank, world, target, "llama"),
         "checkpoint": _checkpoint(rank, world, target, "gpt2", folder),
     }
@@ -291,8 +336,9 @@ def _tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_tp_on_2_ranks_matches_one_process(tmp_path):
     results = run_ranks(_tp_body, 2, str(tmp_path), timeout=900)
-    assert all(r["checkpoint"] == {"saved_equal": True, "bitwise": True} for r in results)
+    _check_checkpoint(results, "checkpoint")
     _check_one_step(results[0])
+    assert all(r["train"]["frontends"] == {SPLIT_FRONTEND["auto"]} for r in results)
     # Every rank sees the same loss: tp ranks share the batch.
     assert results[0]["train"]["losses"] == results[1]["train"]["losses"]
     assert results[0]["train"]["applied"].startswith("tensor parallel x 14 modules")
@@ -311,8 +357,8 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
     names = ["mlp", "qwen3", "bert"]
     target = "fsdp+tp[size=2,plan={plan}]"
     return {
-        "step": _one_step(rank, world, target, [*names, "mlp_fused_head"]),
-        "auto": _one_step(rank, world, "fsdp+tp[size=2,plan=auto]", names),
+        "step": _one_step(rank, world, target, [*names, "mlp_fused_head"], "auto"),
+        "auto": _one_step(rank, world, "fsdp+tp[size=2,plan=auto]", names, "regions"),
         "accumulated": _accumulated(rank, world, target, ["gpt2", "qwen3"]),
         "train": _training(rank, world, target, "llama"),
         # GPT-2's fused c_attn bias is replicated over dp, Qwen3's norms sum Partial gradients
@@ -331,10 +377,11 @@ def _fsdp_tp_body(rank: int, world: int, folder: str) -> dict[str, Any]:
 def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
     results = run_ranks(_fsdp_tp_body, 4, str(tmp_path), timeout=1800)
     for key in ("checkpoint", "checkpoint_qwen3"):
-        assert all(r[key] == {"saved_equal": True, "bitwise": True} for r in results), key
+        _check_checkpoint(results, key)
     _check_one_step(results[0])
-    for name, error in results[0]["accumulated"].items():
+    for name, (error, frontends) in results[0]["accumulated"].items():
         assert error <= 1e-5, (name, error)
+        assert frontends == {SPLIT_FRONTEND["auto"]}, (name, frontends)
     for name in ("gpt2", "qwen3"):
         _check_steps([r[f"train_{name}"] for r in results], 4)
     # shard_fsdp's per-rank counts are what FSDP2 left on each rank (GPT-2's fused bias whole).
@@ -342,6 +389,7 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
         for r in results:
             held, planned = r[key]["per_rank"]
             assert held == planned, (key, held, planned)
+            assert r[key]["frontends"] == {SPLIT_FRONTEND["auto"]}, (key, r[key]["frontends"])
     train = [r["train"] for r in results]
     assert train[0]["applied"] == "fully_shard x 3 (mesh (2, 2))"
     # The two tp ranks of a dp group saw the same rows, the two dp groups different ones.
@@ -358,3 +406,5 @@ def test_fsdp_tp_on_a_2x2_mesh_matches_one_process(tmp_path):
         assert mixed["error"] <= 1e-2 and 0 < mixed["norm"] < float("inf"), (name, mixed)
         assert {"checkpoint_blocks", "shard_tp", "shard_fsdp"} <= set(mixed["passes"])
         assert mixed["param_dtype"] == "bfloat16" and mixed["split"] >= 4, (name, mixed)
+        # Under capture="auto" too: bf16's and ac's rewrites are on the split blocks.
+        assert mixed["frontends"] == {SPLIT_FRONTEND["regions"]}, (name, mixed)
