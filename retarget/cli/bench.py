@@ -189,6 +189,22 @@ def _tp_compile_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _fp8_cpu_rows(d: dict) -> list[Row]:
+    """fp8 training over fp32 on the machine's CPU, and one float8 GEMM over an fp32 matmul."""
+    group, rows = "fp8 on the CPU", []
+    training = d.get("training", {})
+    if "ratio fp8 / fp32" in training:
+        label = f"15 training steps fp8 / fp32 ({training.get('cpu', 'CPU')})"
+        rows.append((group, label, f"{training['ratio fp8 / fp32']:.2f}x"))
+    gemm = d.get("one_gemm", {})
+    for way, ratio in gemm.get("ratios over fp32 matmul", {}).items():
+        if way != "fp32 matmul":
+            rows.append(
+                (group, f"one GEMM {gemm['gemm'].split(',')[0]}: {way} / fp32", f"{ratio:.1f}x")
+            )
+    return rows
+
+
 def _cp_rows(d: dict) -> list[Row]:
     rows = []
     memory = d.get("memory", {})
@@ -288,6 +304,12 @@ SUITES: dict[str, Suite] = {
             results="quant.json",
             rows=_quant_rows,
             needs=("peft",),
+        ),
+        Suite(
+            name="fp8-cpu",
+            file="test_fp8_cpu.py",
+            results="fp8_cpu.json",
+            rows=_fp8_cpu_rows,
         ),
         Suite(
             name="cp",

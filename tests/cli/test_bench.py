@@ -289,3 +289,20 @@ def test_quant_rows_show_the_bytes_saved_for_backward_when_measured():
     rows = bench.SUITES["quant"].rows({"step": step})
     value = "step 1.10x, memory 0.100x, saved for backward 0.90x"
     assert ("quantized fine-tuning", "quant LoRA / full", value) in rows
+
+
+def test_fp8_cpu_rows_read_the_suites_figures():
+    figures = {
+        "training": {"cpu": "Intel(R) Xeon(R) Processor", "ratio fp8 / fp32": 2.114},
+        "one_gemm": {
+            "gemm": "128x256x256, float8_e4m3fn operands, fp32 out",
+            "ratios over fp32 matmul": {"_scaled_mm": 1967.5, "emulated": 4.5, "fp32 matmul": 1.0},
+        },
+    }
+    rows = bench.SUITES["fp8-cpu"].rows(figures)
+    group = "fp8 on the CPU"
+    assert rows == [
+        (group, "15 training steps fp8 / fp32 (Intel(R) Xeon(R) Processor)", "2.11x"),
+        (group, "one GEMM 128x256x256: _scaled_mm / fp32", "1967.5x"),
+        (group, "one GEMM 128x256x256: emulated / fp32", "4.5x"),
+    ]
