@@ -236,6 +236,12 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # The pooled gloo worlds end with the session: an xdist worker leaves by os._exit, which
+    # runs no atexit handler (tests/distributed.py's would close them), and their ranks would
+    # outlive the run, each holding an interpreter with torch loaded.
+    distributed = sys.modules.get("tests.distributed")
+    if distributed is not None:
+        distributed.close_worlds()
     if _cores is not None:
         _cores.close()
     if _memory is None:

@@ -147,8 +147,8 @@ def _serve(rank: int, world: int, inbox: Any, results: Any) -> None:
     """A pooled rank: run each case sent to it, as a fresh rank would, until told to stop."""
     import torch  # noqa: F401 - imported before the state is taken, as in a fresh rank
 
-    fresh = _FreshState()
-    while (case := inbox.get()) is not None:
+    fresh, parent = _FreshState(), os.getppid()
+    while (case := _next_case(inbox, parent)) is not None:
         case_id, body, port, environ, cwd = case
         fresh.enter(rank, world, port, environ, cwd)
         try:
@@ -156,6 +156,18 @@ def _serve(rank: int, world: int, inbox: Any, results: Any) -> None:
         finally:
             fresh.leave()
         results.put((case_id, rank, ok, value))
+
+
+def _next_case(inbox: Any, parent: int) -> Any:
+    """The next case, or None once told to stop or once the test process (`parent`) is gone:
+    a pytest process that ends without closing its worlds, killed or leaving by os._exit, must
+    not leave its ranks waiting for ever."""
+    while True:
+        try:
+            return inbox.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 def _once(body: bytes, rank: int, world: int, port: int, results: Any) -> None:
@@ -254,7 +266,8 @@ _worlds: dict[int, _World] = {}
 
 
 @atexit.register
-def _close_worlds() -> None:
+def close_worlds() -> None:
+    """End every pooled world (at the session's end: tests/conftest.py, and at exit)."""
     while _worlds:
         _worlds.popitem()[1].close()
 

@@ -116,3 +116,49 @@ def test_accelerates_singletons_of_a_case_do_not_reach_the_next_case():
     been initialized")."""
     for _ in range(2):
         assert run_ranks(_accelerate_ddp, 2) == [3, 3]
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+#: A test process that leaves as an xdist worker does (os._exit: no atexit handler runs).
+LEAVES_ABRUPTLY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from tests.distributed import run_ranks
+from tests.test_distributed import _pid
+print(*run_ranks(_pid, 2), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.distributed
+def test_a_pooled_world_ends_when_its_test_process_is_gone(tmp_path):
+    """The ranks notice their test process is gone and exit: without it, a worker's pooled
+    ranks outlived the run, one interpreter with torch loaded each."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.paths import REPO
+
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVES_ABRUPTLY, str(REPO)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(p) for p in pids), pids
