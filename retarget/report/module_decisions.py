@@ -69,6 +69,8 @@ def _decide(path: str, owners: dict, enclosing: Region | None) -> tuple[str, Reg
 
 def how_captured(region: Region) -> str:
     """How a region runs, briefly: "export graph", "captured at first call", "eager: ..."."""
+    if region.deferred and region.recaptured:  # capture="auto" under tp: execution/tp_regions.py
+        return "own forward: split by tp, no pass rewrites or compiles its graph"
     if region.deferred:
         return "own forward: no pass rewrites its graph"
     if region.eager_only and region.reason and not region.failures:

@@ -205,8 +205,10 @@ def _capture_in_effect(program: Program) -> str:
     """The capture mode that ran: capture="whole" falls back to regions when the whole model
     cannot be captured, and the report says so with the reason, not "whole"."""
     if program.capture == "auto":
-        if program.regions and all(r.deferred for r in program.regions):
+        if program.regions and all(r.deferred and not r.recaptured for r in program.regions):
             return "none (auto: no pass reads a graph; capture='regions' captures)"
+        if any(r.deferred and r.recaptured for r in program.regions):  # execution/tp_regions.py
+            return "regions (auto: the blocks tp split run their own forward)"
         return "regions" if program.regions else "auto"
     if program.capture != "whole" or any(r.paths == [""] for r in program.regions):
         return program.capture

@@ -189,6 +189,7 @@ def _training(rank: int, world: int, target: str, name: str) -> dict[str, Any]:
         "gathered": sorted(sum(gathered, [])),
         "per_rank": _held_and_planned(compiled, rank // 2),
         "frontends": split_frontends(compiled),
+        "capture": compiled.report.to_dict()["capture"],
     }
 
 
@@ -339,6 +340,9 @@ def test_tp_on_2_ranks_matches_one_process(tmp_path):
     _check_checkpoint(results, "checkpoint")
     _check_one_step(results[0])
     assert all(r["train"]["frontends"] == {SPLIT_FRONTEND["auto"]} for r in results)
+    # The report says capture ran (shard_tp read the graphs) and the split blocks do not.
+    capture = results[0]["train"]["capture"]
+    assert capture == "regions (auto: the blocks tp split run their own forward)", capture
     # Every rank sees the same loss: tp ranks share the batch.
     assert results[0]["train"]["losses"] == results[1]["train"]["losses"]
     assert results[0]["train"]["applied"].startswith("tensor parallel x 14 modules")
