@@ -12,8 +12,8 @@ A row-major weight `w` of shape (N, K) gives the column-major `b` for free as `w
 operand is made column-major with `column_major(t)` (one copy).
 
 On the CPU the GEMM itself is emulated by default: torch's CPU `_scaled_mm` is a slow reference
-kernel on some processors (on an Intel Xeon with AMX, 220x an fp32 matmul of the same
-128x1024x1024 shape; on an AMD EPYC a few times), while every float8 value is exact in float32,
+kernel whose cost depends on the processor (on an Intel Xeon with AMX, 220x an fp32 matmul of
+the same 128x1024x1024 shape), while every float8 value is exact in float32,
 so `a.float() @ b.float()` multiplies the same numbers, and the scales are applied to the fp32
 product as `_scaled_mm` applies them. Only the summation order differs (checked against
 `_scaled_mm` in tests/kernels/test_fp8_native.py). `RETARGET_FP8_CPU_GEMM=scaled_mm`, or
@@ -161,11 +161,15 @@ CPU_GEMMS = ("emulated", "scaled_mm")
 CPU_GEMM_ENV = "RETARGET_FP8_CPU_GEMM"
 
 
+def _checked_cpu_gemm(kind: str, given_as: str) -> str:
+    if kind not in CPU_GEMMS:
+        raise ValueError(f"{given_as}: choose one of {', '.join(CPU_GEMMS)}")
+    return kind
+
+
 def _initial_cpu_gemm() -> str:
     kind = os.environ.get(CPU_GEMM_ENV) or "emulated"
-    if kind not in CPU_GEMMS:
-        raise ValueError(f"{CPU_GEMM_ENV}={kind!r}: choose one of {', '.join(CPU_GEMMS)}")
-    return kind
+    return _checked_cpu_gemm(kind, f"{CPU_GEMM_ENV}={kind!r}")
 
 
 _cpu_gemm = _initial_cpu_gemm()
@@ -175,9 +179,7 @@ _cpu_gemm = _initial_cpu_gemm()
 def cpu_fp8_gemm(kind: str) -> Iterator[None]:
     """Run the float8 GEMMs of the block on the CPU as `kind` ("emulated" or "scaled_mm")."""
     global _cpu_gemm
-    if kind not in CPU_GEMMS:
-        raise ValueError(f"cpu_fp8_gemm({kind!r}): choose one of {', '.join(CPU_GEMMS)}")
-    previous, _cpu_gemm = _cpu_gemm, kind
+    previous, _cpu_gemm = _cpu_gemm, _checked_cpu_gemm(kind, f"cpu_fp8_gemm({kind!r})")
     try:
         yield
     finally:
