@@ -6,6 +6,7 @@ as different holders even in one process (threads stand in for the workers).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -20,6 +21,20 @@ def _thread(fn) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
     return thread
+
+
+def _wait_until_held(path: str, timeout: float = 60) -> None:
+    """Until some holder has `path` locked (a non-blocking lock of our own fails)."""
+    deadline = time.monotonic() + timeout
+    with open(path, "a+") as probe:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(probe, fcntl.LOCK_UN)
+            time.sleep(0.01)
+    raise AssertionError(f"nobody took {path} in {timeout} s")
 
 
 def test_shared_holders_run_together(tmp_path):
@@ -60,7 +75,7 @@ def test_an_alone_holder_waits_for_the_shared_ones_and_goes_before_later_ones(tm
     threads = [_thread(first)]
     assert first_inside.wait(10)
     threads.append(_thread(exclusive))
-    time.sleep(0.1)  # the alone holder is waiting at the gate now
+    _wait_until_held(alone.gate.name)  # the alone holder is waiting in the gate now
     threads.append(_thread(later))
     for thread in threads:
         thread.join(timeout=20)
