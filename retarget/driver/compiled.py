@@ -17,6 +17,7 @@ from torch import nn
 from retarget.core.capturing import capturing
 from retarget.core.modules import sync_weights_into
 from retarget.core.slots import OUTER_FORWARD, PROGRAM, RUNTIME
+from retarget.execution import xla_device as xla
 from retarget.execution.apply_plan import applied_of
 from retarget.execution.module_call import RetargetedModule
 
@@ -98,6 +99,7 @@ class CompiledModule(RetargetedModule):
             >>> model = compiled.unwrap()     # every rank, e.g. before generate() or export
         """
         original = self.program.original
+        xla.settle([self])  # one sync, not a graph per tensor read out
         sync_weights_into(self, original)
         applied = applied_of(self)
         if applied is not None and applied.pipeline is not None:

@@ -168,6 +168,24 @@ def sync(*, wait: bool = False) -> None:
     torch_xla_or_refuse().sync(wait=wait)
 
 
+def settle(modules: Iterable[torch.nn.Module]) -> bool:
+    """Run what XLA's lazy graph still owes before `modules`' tensors are read out one by one
+    (unwrap, save_state, save_model): True when it synced.
+
+    After an optimizer step the parameters and the optimizer's state are pending computations;
+    reading each one alone compiles and runs a graph of its own. Measured on CPU PJRT for a
+    2-layer Llama after 3 AdamW steps: save_state 114 s and 63 compiles unsettled, 0.15 s and
+    none after one sync; unwrap() 32 s (21 compiles) against 0.01 s. A no-op without torch_xla
+    loaded or with no parameter on an XLA device.
+    """
+    if "torch_xla" not in sys.modules:
+        return False
+    on_xla = any(p.device.type == "xla" for m in modules for p in m.parameters())
+    if on_xla:
+        sync(wait=True)
+    return on_xla
+
+
 def compile_count() -> int:
     """Traced graphs XLA compiled in this process so far (misses of its graph cache).
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from retarget.execution import xla_device as xla
 from retarget.execution.process import ProcessState
 from retarget.runtime.state.checkpoint_objects import (
     CheckpointObjects,
@@ -206,6 +207,7 @@ def save_state(
     objects = CheckpointObjects.build(
         model, optimizers, schedulers, scaler, dataloaders, custom_objects
     )
+    xla.settle(objects.models)  # under xla: one sync, not a graph per tensor read out
     final = _save_dir(output_dir, project, state)
     staging = begin_save(final, state, overwrite=overwrite)
     try:

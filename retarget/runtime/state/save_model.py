@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from retarget.core.slots import PROGRAM
+from retarget.execution import xla_device as xla
 from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
 from retarget.kernels.quant.linear import QuantizedLinear
@@ -90,6 +91,7 @@ def get_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
+    xla.settle([model])  # under xla: one sync, not a graph per tensor read out
     applied = applied_of(model)
     if applied is None or applied.pipeline is None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
