@@ -155,7 +155,8 @@ def sharding_spec(tensor: torch.Tensor) -> str:
 
 
 def local_shard_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
-    """The shapes of the pieces each device holds."""
+    """The shapes of the pieces each device holds (read from the pieces themselves: on a
+    pending tensor, settle first or each call runs the lazy graph)."""
     torch_xla_or_refuse()
     import torch_xla
 

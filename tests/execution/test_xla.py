@@ -66,14 +66,14 @@ def _train(rank: int, world: int, name: str, target: str) -> dict:
             o.step()
             o.zero_grad()
             out.append(loss.item())
-    plan = compiled.program.plan.xla
-    params = dict(compiled.named_parameters())
-    shards = {n: xla.local_shard_shapes(params[n]) for n in plan.shards}
-    steps = xla_steps(compiled)
-    probe = steps._place(torch.ones(8, 3))
     before = xla.compile_count()
     unwrapped = compiled.unwrap()  # right after a step: the weights are pending computations
     unwrap_compiles = xla.compile_count() - before
+    plan = compiled.program.plan.xla
+    params = dict(compiled.named_parameters())
+    shards = {n: xla.local_shard_shapes(params[n]) for n in plan.shards}  # after unwrap's sync
+    steps = xla_steps(compiled)
+    probe = steps._place(torch.ones(8, 3))
     return {
         "losses": losses,
         "reference": ref_losses,
