@@ -169,9 +169,9 @@ def sync(*, wait: bool = False) -> None:
     torch_xla_or_refuse().sync(wait=wait)
 
 
-def settle(modules: Iterable[torch.nn.Module]) -> bool:
+def settle(modules: Iterable[torch.nn.Module]) -> None:
     """Run what XLA's lazy graph still owes before `modules`' tensors are read out one by one
-    (unwrap, save_state, save_model): True when it synced.
+    (unwrap, save_state, save_model).
 
     After an optimizer step the parameters and the optimizer's state are pending computations;
     reading each one alone compiles and runs a graph of its own. Measured on CPU PJRT for a
@@ -179,12 +179,10 @@ def settle(modules: Iterable[torch.nn.Module]) -> bool:
     none after one sync; unwrap() 32 s (21 compiles) against 0.01 s. A no-op without torch_xla
     loaded or with no parameter on an XLA device.
     """
-    if "torch_xla" not in sys.modules:
-        return False
-    on_xla = any(p.device.type == "xla" for m in modules for p in m.parameters())
-    if on_xla:
+    if "torch_xla" in sys.modules and any(
+        p.device.type == "xla" for m in modules for p in m.parameters()
+    ):
         sync(wait=True)
-    return on_xla
 
 
 def compile_count() -> int:
