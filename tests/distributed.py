@@ -7,18 +7,23 @@
     def test_ranks():
         assert run_ranks(_body, 2, 10) == [0, 10]
 
-The ranks are a world of `spawn`ed interpreters kept for the whole pytest process, one world per
-rank count: starting an interpreter and importing torch and transformers costs ~3-6 s a rank,
-more than most cases, so a world serves every case of its size. Each case starts as a fresh
-rank would: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (a
-free port per case, so the case's process group is its own), the test process's environment and
-working folder as they are when the case is sent (as a spawned child inherits them), the warning
-filters as the interpreter had them at its start, torch's, Python's and NumPy's generators newly
-seeded from the OS (as a new interpreter seeds them: no two ranks or cases draw alike unless the
-case seeds them), one intra-op thread, the default dtype float32, no cached ProcessState; at its
-end the process group is destroyed and dynamo's caches are reset. `fresh=True` runs a case in
-new interpreters instead, for what lasts a process's life (torch_xla's SPMD switch, counting
-every object alive).
+The ranks are a world of processes kept for the whole pytest process, one world per rank count:
+starting an interpreter and importing torch and transformers costs ~3-6 s a rank, more than most
+cases, so a world serves every case of its size. Its ranks are forked from multiprocessing's fork
+server, a clean interpreter started once per pytest process that has imported torch, transformers
+and retarget's compile_for (`PRELOADED`): a 4-rank world then starts in ~1 s, not ~18 s (measured on
+2 cores, each rank importing a pp test module), and a world that a failed case ended comes back as
+cheaply. The fork server has started no thread and run no parallel region, so its children start as
+clean as a spawned interpreter, with those modules loaded. Each case starts as a fresh rank would:
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (a free port per
+case, so the case's process group is its own), the test process's environment and working folder as
+they are when the case is sent (as a spawned child inherits them), the warning filters as the
+interpreter had them at its start, torch's, Python's and NumPy's generators newly seeded from the OS
+(as a new interpreter seeds them: no two ranks or cases draw alike unless the case seeds them), one
+intra-op thread, the default dtype float32, no cached ProcessState; at its end the process group is
+destroyed and dynamo's caches are reset. `fresh=True` runs a case in new `spawn`ed interpreters
+instead, for what lasts a process's life (torch_xla's SPMD switch, counting every object alive, a
+process's whole memory).
 
 A rank that raises fails the test with that rank's traceback; a run that exceeds `timeout`
 fails it too. Either way the world's processes are killed and the next case gets a new world
@@ -47,6 +52,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.core_share import ALONE_ENV, SHARED_CORES_ENV
+
+#: What the fork server of the pooled worlds imports before it forks a rank (module docstring).
+PRELOADED = ["torch", "torch.distributed", "transformers", "retarget.driver.compile"]
 
 #: run_ranks' default bound on a case, and the process group's bound on one collective wait.
 DEFAULT_TIMEOUT_S = 900.0
@@ -143,12 +151,12 @@ def _run_case(case: bytes, rank: int, world: int) -> tuple[bool, Any]:
         return False, traceback.format_exc()
 
 
-def _serve(rank: int, world: int, inbox: Any, results: Any) -> None:
+def _serve(rank: int, world: int, inbox: Any, results: Any, lifeline: Any) -> None:
     """A pooled rank: run each case sent to it, as a fresh rank would, until told to stop."""
     import torch  # noqa: F401 - imported before the state is taken, as in a fresh rank
 
-    fresh, parent = _FreshState(), os.getppid()
-    while (case := _next_case(inbox, parent)) is not None:
+    fresh = _FreshState()
+    while (case := _next_case(inbox, lifeline)) is not None:
         case_id, body, port, environ, cwd = case
         fresh.enter(rank, world, port, environ, cwd)
         try:
@@ -158,15 +166,17 @@ def _serve(rank: int, world: int, inbox: Any, results: Any) -> None:
         results.put((case_id, rank, ok, value))
 
 
-def _next_case(inbox: Any, parent: int) -> Any:
-    """The next case, or None once told to stop or once the test process (`parent`) is gone:
-    a pytest process that ends without closing its worlds, killed or leaving by os._exit, must
-    not leave its ranks waiting for ever."""
+def _next_case(inbox: Any, lifeline: Any) -> Any:
+    """The next case, or None once told to stop or once the test process is gone (`lifeline`,
+    the read end of a pipe whose write end only that process holds, reads as ready then): a
+    pytest process that ends without closing its worlds, killed or leaving by os._exit, must not
+    leave its ranks waiting for ever. (Not the parent's pid: a rank's parent is the fork server,
+    which lives as long as any process it forked.)"""
     while True:
         try:
             return inbox.get(timeout=5)
         except queue.Empty:
-            if os.getppid() != parent:
+            if lifeline.poll():
                 return None
 
 
@@ -191,15 +201,22 @@ class _World:
     _ids = itertools.count(1)
 
     def __init__(self, size: int, *, pooled: bool, body: bytes = b"") -> None:
-        ctx = mp.get_context("spawn")
+        if pooled:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOADED)  # read when the server starts: the first world
+        else:
+            ctx = mp.get_context("spawn")
         self.size = size
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)] if pooled else []
+        # Only this process holds its write end (and never writes): the ranks see it close
+        # when this process ends.
+        lifeline, self.lifeline = ctx.Pipe(duplex=False)
         port = free_port()
         self.procs = [
             ctx.Process(
                 target=_serve if pooled else _once,
-                args=(r, size, self.inboxes[r], self.results)
+                args=(r, size, self.inboxes[r], self.results, lifeline)
                 if pooled
                 else (body, r, size, port, self.results),
                 daemon=True,
@@ -208,6 +225,7 @@ class _World:
         ]
         for p in self.procs:
             p.start()
+        lifeline.close()  # the ranks have their own copies
 
     def send(self, body: bytes) -> int:
         case_id = next(self._ids)
