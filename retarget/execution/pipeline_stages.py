@@ -57,7 +57,11 @@ from torch import Tensor, nn
 from retarget.core.modules import release, release_replaced, released
 from retarget.core.plans import PpPlan, TpPlan
 from retarget.core.slots import OUTER_FORWARD
-from retarget.execution.pipeline_split import prepare_split, use_original_parameters
+from retarget.execution.pipeline_split import (
+    prepare_split,
+    run_generated_code,
+    use_original_parameters,
+)
 from retarget.execution.pipeline_tp import settle_gradients, split_stage_blocks
 from retarget.execution.stage_forward import TRACED_PREFIX, run_stage_forward
 
@@ -114,6 +118,8 @@ class PipelineRun:
         #: tp+pp: this rank's tp-split parameters, whose gradients are settled to their
         #: placements after each step (pipeline_tp.settle_gradients).
         self.split: list[nn.Parameter] = []
+        #: This rank's stage modules (torch's split of the traced model), in stage order.
+        self.stage_modules: list[nn.Module] = []
 
     @property
     def held(self) -> frozenset[int]:
@@ -253,6 +259,7 @@ def apply_pipeline(
         used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
     tied = _tied_weights(used, ranks, mesh)
     for index in mine:  # bf16 / ac inside the stage (stage_forward.py)
+        run_generated_code(traced.get_stage_module(index))  # every graph edit is made
         run_stage_forward(traced.get_stage_module(index), plan, state.device.type)
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
@@ -291,6 +298,7 @@ def apply_pipeline(
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
+    run.stage_modules = [traced.get_stage_module(index) for index in mine]
     if tp is not None and shard is None:  # FSDP2 settles its own gradients
         run.split = list(split.values())
     return run

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from retarget.driver.compile import compile_for
-from retarget.execution.pipeline_split import prepare_split
+from retarget.execution.pipeline_split import prepare_split, run_generated_code
 from retarget.execution.process import ProcessState
 from retarget.passes.shard.stage_cuts import stage_starts
 
@@ -89,6 +89,7 @@ def prepare_pippy(
         split_spec={point: SplitPoint.BEGINNING for point in points},
     )
     prepare_split(pipe)
+    run_generated_code(pipe.get_stage_module(state.rank))
     stage = pipe.build_stage(state.rank, device=state.device)
     schedule = ScheduleGPipe(stage, n_microbatches=chunks)
     model.pippy_stage = schedule

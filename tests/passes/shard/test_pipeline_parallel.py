@@ -5,7 +5,8 @@ configs (sizes shrunk, dropout off).
   the embedding and GPT-2 (tied, learned positions): the loss every rank gets
   from `runtime.forward_backward` equals one process's within 1e-5 relative, every parameter's
   gradient lives on exactly one rank and equals one process's within 1e-5 relative (of its
-  largest entry); 20 SGD steps track one process's losses within 1e-4; a plain call is refused
+  largest entry), every unflattened module of a stage runs its generated code (not fx's
+  Interpreter); 20 SGD steps track one process's losses within 1e-4; a plain call is refused
   naming forward_backward and unwrap(); the loader is not divided (every stage reads the batch);
   save_state / load_state resume bit for bit (each stage saves its own part) and save_model
   writes every stage's trained tensors.
@@ -173,8 +174,21 @@ def _one_step(
             ),
             "wrapped": compiled.program.plan.applied.wrapped,
             "held_fraction": held_bytes(compiled) / held_bytes(build()),
+            "interpreted": interpreted(compiled),
         }
     return out
+
+
+def interpreted(compiled: Any) -> tuple[int, int]:
+    """Of the unflattened modules in this rank's stages: how many still run their graph through
+    torch.fx.Interpreter, and how many there are (run_generated_code switches them all)."""
+    unflattened = [
+        sub
+        for stage in compiled.runtime.applied.pipeline.stage_modules
+        for sub in stage.modules()
+        if hasattr(sub, "_run_with_interpreter")
+    ]
+    return sum(sub._run_with_interpreter for sub in unflattened), len(unflattened)
 
 
 @pytest.mark.distributed
@@ -206,6 +220,8 @@ def test_two_ranks_equal_one_process_for_each_schedule():
             # a rank keeps its stages' weights (about half), not the whole model's
             assert r["held_fraction"] < 0.7, (key, r["held_fraction"])
             assert r["data_parallel"] == (0, 1)
+            # every block runs its generated code, none through fx's Interpreter
+            assert r["interpreted"][0] == 0 and r["interpreted"][1] > 0, (key, r["interpreted"])
     llama_held = set(by_rank[0]["llama 1f1b"]["errors"])
     assert "model.embed_tokens.weight" in llama_held and "lm_head.weight" not in llama_held
 

@@ -34,6 +34,7 @@ from tests.passes.shard.test_pipeline_parallel import (
     batch,
     gradient_errors,
     held_bytes,
+    interpreted,
     llama,
     mine,
     whole_loss,
@@ -67,6 +68,7 @@ def _one_step(base: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
             "held_fraction": held_bytes(compiled) / held_bytes(build()),
             "wrapped": compiled.program.plan.applied.wrapped,
             "data_parallel": (dp, compiled.runtime.data_parallel_rank),
+            "interpreted": interpreted(compiled),
         }
     return out
 
@@ -100,6 +102,8 @@ def assert_step(
     for r in results:
         assert r["loss_error"] < 1e-5, key
         assert max(r["errors"].values()) < 1e-5, (key, r["errors"])
+        # the DTensor blocks run their generated code, edited for DTensors, not the Interpreter
+        assert r["interpreted"][0] == 0 and r["interpreted"][1] > 0, (key, r["interpreted"])
     for ranks in stage_ranks:
         assert len({tuple(results[k]["errors"]) for k in ranks}) == 1, key
     placements = results[0]["placements"]
