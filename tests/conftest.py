@@ -180,6 +180,8 @@ _memory: MemoryReport | None = None
 _cores: CoreShare | None = None
 #: The intra-op threads torch starts with here (one per core).
 _cores_here = torch.get_num_threads()
+#: What gives a process started by a `one_process` test one intra-op thread (torch reads it).
+ONE_THREAD_ENV = ("OMP_NUM_THREADS",)
 #: The key a worker's memory and time figures travel under to the controller.
 _WORKER_FIGURES = "retarget_suite_figures"
 
@@ -206,15 +208,25 @@ def pytest_runtest_protocol(item, nextitem):
     if _cores is None:
         yield
         return
-    alone = item.get_closest_marker("distributed") is not None
+    one_process = item.get_closest_marker("one_process") is not None
+    alone = item.get_closest_marker("distributed") is not None and not one_process
     # Beside the other worker a test gets one intra-op thread (two workers of two OpenMP
-    # threads on two cores spin against each other); alone, every core, as without xdist.
+    # threads on two cores spin against each other); alone, every core, as without xdist. A
+    # `one_process` test's processes get one thread too, through the environment they inherit.
     torch.set_num_threads(_cores_here if alone else 1)
+    threads = {name: os.environ.get(name) for name in ONE_THREAD_ENV}
+    if one_process:
+        os.environ.update(dict.fromkeys(ONE_THREAD_ENV, "1"))
     try:
         with _cores.hold(alone=alone):
             yield
     finally:
         torch.set_num_threads(1)
+        for name, value in threads.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def pytest_runtest_setup(item):

@@ -5,7 +5,10 @@ so two of them run at once; a test marked `distributed` starts ranks that alread
 (gloo ranks, `retarget launch`, scripts), and beside a second test its ranks would share the
 cores three ways, run slower than their own timeouts allow, and slow the other test too. So
 every test holds one lock around its whole run (setup, call, teardown): in-process tests hold it
-shared, distributed tests hold it alone.
+shared, distributed tests hold it alone. A distributed test also marked `one_process` (its
+processes run one at a time, each one compute process: a script in one process, a CLI command, a
+pytest of its own) uses one core as an in-process test does: it holds the lock shared, and the
+processes it starts get one intra-op thread (tests/conftest.py sets OMP_NUM_THREADS=1 for it).
 
 A waiting distributed test must not starve behind a stream of in-process tests on the other
 worker, so the lock is two files (a gate and a room): a shared holder passes the gate and

@@ -1,4 +1,5 @@
-"""The suite's lock between its two xdist workers: in-process tests together, distributed alone.
+"""The suite's lock between its two xdist workers: in-process tests together, distributed alone
+(a `one_process` distributed test together with the in-process ones, its processes on one thread).
 
 Each CoreShare below is its own pair of open files, as each worker's is, so flock treats them
 as different holders even in one process (threads stand in for the workers).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -99,3 +102,16 @@ def test_ranks_are_refused_in_a_test_not_marked_distributed_under_xdist(monkeypa
     monkeypatch.delenv(ALONE_ENV, raising=False)
     with pytest.raises(AssertionError, match="mark it @pytest.mark.distributed"):
         run_ranks(_rank, 2)
+
+
+@pytest.mark.distributed  # starts an interpreter,
+@pytest.mark.one_process  # one
+def test_a_one_process_test_holds_the_lock_shared_and_its_processes_take_one_thread():
+    if not os.environ.get(SHARED_CORES_ENV):
+        pytest.skip("the lock exists under the suite's xdist workers (the README's command)")
+    assert ALONE_ENV not in os.environ  # beside the other worker's tests, not alone
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.stdout.strip() == "1", done.stderr[-2000:]

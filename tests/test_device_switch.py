@@ -51,6 +51,7 @@ def test_under_a_gpu_only_device_parametric_and_gpu_tests_run():
 
 
 @pytest.mark.distributed  # a pytest of its own, in a fresh process
+@pytest.mark.one_process
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
 def test_a_gpu_device_without_a_gpu_stops_before_any_test():
     done = subprocess.run(

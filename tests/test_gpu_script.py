@@ -35,7 +35,8 @@ def _wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
-@pytest.mark.distributed  # a fresh venv and the script's own processes
+@pytest.mark.distributed  # a fresh venv and the script's own processes,
+@pytest.mark.one_process  # one at a time
 def test_dry_run_in_a_fresh_venv_with_carried_wheels(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)

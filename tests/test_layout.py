@@ -190,3 +190,17 @@ def test_tests_that_start_processes_are_marked_distributed():
             if name.startswith("test_") and not any("mark.distributed" in m for m in marks):
                 unmarked.append(f"{_relative(path)}::{name}")
     assert unmarked == []
+
+
+def test_one_process_tests_are_distributed_tests():
+    """`one_process` relaxes the lock of a test that starts processes (tests/core_share.py);
+    on any other test it would mean nothing."""
+    loose = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for name, (node, *_) in _functions(ast.parse(path.read_text())).items():
+            marks = [ast.unparse(d) for d in getattr(node, "decorator_list", [])]
+            if any("mark.one_process" in m for m in marks) and not any(
+                "mark.distributed" in m for m in marks
+            ):
+                loose.append(f"{_relative(path)}::{name}")
+    assert loose == []

@@ -180,11 +180,25 @@ def _run(command: str, tmp_path: Path, env: dict[str, str], stdin: str = "") -> 
     assert run.returncode == 0, f"{command}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
 
 
-BASH = [b for b in _of("bash") if any(not _is_install(c) for c in _commands(b))]
+#: The CLI commands that run in the one process they start.
+ONE_PROCESS_COMMANDS = ("demo", "inspect", "estimate-memory", "device-map", "env", "config")
+
+
+def _one_process(block: Block) -> bool:
+    """Every command of `block` runs in one process (no launch, no `retarget test`)."""
+    single = rf"(retarget|python -m retarget) ({'|'.join(ONE_PROCESS_COMMANDS)}|--version)(\s|$)"
+    return all(_is_install(c) or re.match(single, c) for c in _commands(block))
+
+
+BASH = [
+    pytest.param(b, id=str(b), marks=[pytest.mark.one_process] if _one_process(b) else [])
+    for b in _of("bash")
+    if any(not _is_install(c) for c in _commands(b))
+]
 
 
 @pytest.mark.distributed  # `retarget launch` and `retarget test` start ranks
-@pytest.mark.parametrize("block", BASH, ids=str)
+@pytest.mark.parametrize("block", BASH)
 def test_bash_commands_run(block, tmp_path):
     env = _scratch(tmp_path)
     for index, command in enumerate(_commands(block)):
