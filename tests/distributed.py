@@ -55,6 +55,10 @@ from tests.core_share import ALONE_ENV, SHARED_CORES_ENV
 
 #: What the fork server of the pooled worlds imports before it forks a rank (module docstring).
 PRELOADED = ["torch", "torch.distributed", "transformers", "retarget.driver.compile"]
+#: The environment the fork server starts in: this process's when this module was imported
+#: (at collection), not whatever the test that happens to start the first world has set, which
+#: the server's imports would read and every later world's ranks keep.
+_SERVER_ENVIRONMENT = dict(os.environ)
 
 #: run_ranks' default bound on a case, and the process group's bound on one collective wait.
 DEFAULT_TIMEOUT_S = 900.0
@@ -195,6 +199,22 @@ def _once(body: bytes, rank: int, world: int, port: int, results: Any) -> None:
             dist.destroy_process_group()
 
 
+def _start_fork_server(ctx: Any) -> None:
+    """Start the fork server (once per process: later calls find it running), importing
+    PRELOADED in `_SERVER_ENVIRONMENT`."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(PRELOADED)
+    now = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SERVER_ENVIRONMENT)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
+
+
 class _World:
     """`size` spawned processes; `pooled` ones serve case after case (see the module docstring)."""
 
@@ -203,7 +223,7 @@ class _World:
     def __init__(self, size: int, *, pooled: bool, body: bytes = b"") -> None:
         if pooled:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOADED)  # read when the server starts: the first world
+            _start_fork_server(ctx)
         else:
             ctx = mp.get_context("spawn")
         self.size = size

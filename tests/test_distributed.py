@@ -162,3 +162,42 @@ def test_a_pooled_world_ends_when_its_test_process_is_gone(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(alive(p) for p in pids), pids
+
+
+def _server_environment(rank: int, world: int) -> bool:
+    """Whether the fork server this rank came from (its parent) has SET_BY_THE_FIRST_TEST."""
+    with open(f"/proc/{os.getppid()}/environ", "rb") as server:
+        return b"SET_BY_THE_FIRST_TEST=" in server.read()
+
+
+STARTS_THE_FIRST_WORLD = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from tests.distributed import close_worlds, run_ranks
+from tests.test_distributed import _server_environment, _view
+os.environ["SET_BY_THE_FIRST_TEST"] = "1"
+print(*run_ranks(_server_environment, 2))
+print(*[v["sent"] for v in run_ranks(_view, 2)])
+close_worlds()
+"""
+
+
+@pytest.mark.distributed
+def test_the_fork_server_starts_in_the_environment_of_collection_not_of_a_test(tmp_path):
+    """A variable set by the test that starts the first world reaches that test's cases (each
+    case gets the sender's environment) but not the fork server, whose imports would read it
+    and whose later worlds would keep it."""
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    env = {**os.environ, "SENT_BY_THE_TEST": "yes"}
+    done = subprocess.run(
+        [sys.executable, "-c", STARTS_THE_FIRST_WORLD, str(REPO)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    in_server, sent = done.stdout.splitlines()[-2:]
+    assert in_server == "False False"
+    assert sent == "yes yes"
