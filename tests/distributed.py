@@ -216,7 +216,8 @@ def _start_fork_server(ctx: Any) -> None:
 
 
 class _World:
-    """`size` spawned processes; `pooled` ones serve case after case (see the module docstring)."""
+    """`size` processes: `pooled` ones forked from the fork server serve case after case, the
+    others are spawned for one case (see the module docstring)."""
 
     _ids = itertools.count(1)
 

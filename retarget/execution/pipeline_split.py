@@ -26,7 +26,8 @@ before its stages are built, by apply_pipeline (the pp part) and prepare_pippy.
   each module in it, InterpreterModules) run their graphs through torch.fx.Interpreter by
   default, one Python call per node; the code fx generates from the same graph (what dynamo
   runs) calls the same ops in one function per module. Called last, after every edit of the
-  stages' graphs: it regenerates that code from each graph as it is then. A graph with a node
+  stages' graphs (pipeline_tp's DTensor edits included): it regenerates that code from each
+  graph as it is then. A graph with a node
   named `self` (the call of a submodule named so, as BERT's attention.self) stays on the
   Interpreter: that name would rebind the generated method's `self`. On a 4-layer Llama
   under fsdp+tp+pp on 8 CPU ranks the interpreter was 13% of the ranks' time.
@@ -177,22 +178,20 @@ def order_sends(pipe: Any) -> int:
     return reordered
 
 
-def run_generated_code(stage_module: nn.Module) -> int:
-    """Run every unflattened module in `stage_module` by the code generated from its graph as
-    it is now, not through torch.fx.Interpreter (see the module docstring); returns how many."""
-    count = 0
+def run_generated_code(stage_module: nn.Module) -> None:
+    """Regenerate the code of every unflattened module in `stage_module` from its graph as it
+    is now (what dynamo runs, and what runs here from then on), and run it instead of
+    torch.fx.Interpreter (see the module docstring)."""
     for sub in stage_module.modules():
         if not hasattr(sub, "_run_with_interpreter"):
             continue
         code = sub.__dict__.get("graph_module")
         if isinstance(code, fx.GraphModule):  # None: a container no graph calls
+            code.recompile()
             if any(node.name == "self" for node in code.graph.nodes):
                 continue  # a submodule named `self` (BERT's attention.self): its call's
                 # value would rebind the generated method's `self`; the Interpreter runs it
-            code.recompile()
-            count += 1
         sub._run_with_interpreter = False
-    return count
 
 
 def use_original_parameters(traced: Any, original: nn.Module, stages: int) -> list[dict[int, Any]]:

@@ -258,9 +258,10 @@ def apply_pipeline(
         swap_parameters(module, split)
         used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
     tied = _tied_weights(used, ranks, mesh)
-    for index in mine:  # bf16 / ac inside the stage (stage_forward.py)
-        run_generated_code(traced.get_stage_module(index))  # every graph edit is made
-        run_stage_forward(traced.get_stage_module(index), plan, state.device.type)
+    stage_modules = [traced.get_stage_module(index) for index in mine]
+    for stage_module in stage_modules:  # bf16 / ac inside the stage (stage_forward.py)
+        run_generated_code(stage_module)  # every graph edit is made
+        run_stage_forward(stage_module, plan, state.device.type)
     if shard is not None:
         replaced = _shard_stages(traced, mine, used, shard)
         # In the compiled model, and in the other ranks' stage modules too (never run here,
@@ -298,7 +299,7 @@ def apply_pipeline(
     schedule = schedule_class(driven, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     OUTER_FORWARD.set(module, functools.partial(_refuse, plan))
     run = PipelineRun(plan, schedule, rank, group, storage, tied, owners, state.device, frozen)
-    run.stage_modules = [traced.get_stage_module(index) for index in mine]
+    run.stage_modules = stage_modules  # fully_shard changed their classes, not the objects
     if tp is not None and shard is None:  # FSDP2 settles its own gradients
         run.split = list(split.values())
     return run

@@ -64,10 +64,9 @@ def split_stage_blocks(
         for sub in module.modules():
             graph = getattr(sub, "graph", None)
             if isinstance(graph, fx.Graph):
+                # the code generated from it is regenerated once every edit is made
+                # (apply_pipeline: pipeline_split.run_generated_code)
                 _ready_for_dtensors(graph)
-                # the code dynamo runs instead of the interpreter (torch.export's unflatten)
-                if isinstance(getattr(sub, "graph_module", None), fx.GraphModule):
-                    sub.graph_module.recompile()
         for name, sub in module.named_modules():
             path = f"{block}.{name}" if name else block
             rule = tp.rules.get(path)
