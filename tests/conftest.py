@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.core_share import SHARED_CORES_ENV, CoreShare  # noqa: E402
-from tests.memory_report import MemoryReport  # noqa: E402
+from tests.memory_report import MemoryReport, cpu_seconds  # noqa: E402
 from tests.zoo import call, loss_of  # noqa: E402
 
 
@@ -208,8 +208,8 @@ def pytest_runtest_protocol(item, nextitem):
     if _cores is None:
         yield
         return
+    alone = _runs_alone(item)
     one_process = item.get_closest_marker("one_process") is not None
-    alone = item.get_closest_marker("distributed") is not None and not one_process
     # Beside the other worker a test gets one intra-op thread (two workers of two OpenMP
     # threads on two cores spin against each other); alone, every core, as without xdist. A
     # `one_process` test's processes get one thread too, through the environment they inherit.
@@ -218,8 +218,13 @@ def pytest_runtest_protocol(item, nextitem):
     if one_process:
         os.environ.update(dict.fromkeys(ONE_THREAD_ENV, "1"))
     try:
-        with _cores.hold(alone=alone):
+        # The lock stays held alone into the next test when that one runs alone too.
+        keep = alone and nextitem is not None and _runs_alone(nextitem)
+        with _cores.hold(alone=alone, keep=keep):
+            before = cpu_seconds() if alone else None
             yield
+            if alone and _memory is not None:
+                _memory.record_alone(item.nodeid, before, cpu_seconds())
     finally:
         torch.set_num_threads(1)
         for name, value in threads.items():
@@ -227,6 +232,14 @@ def pytest_runtest_protocol(item, nextitem):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _runs_alone(item) -> bool:
+    """A distributed test not marked `one_process` has the cores to itself."""
+    return (
+        item.get_closest_marker("distributed") is not None
+        and item.get_closest_marker("one_process") is None
+    )
 
 
 def pytest_runtest_setup(item):
@@ -256,6 +269,8 @@ def pytest_sessionfinish(session, exitstatus):
         distributed.close_worlds()
     if _cores is not None:
         _cores.close()
+        if _memory is not None:
+            _memory.waited = dict(_cores.waited)
     if _memory is None:
         return
     _memory.close()
@@ -270,7 +285,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     if _memory is None:
         return
-    for line in [*_memory.lines(), *_memory.slowest_tests()]:
+    for line in [*_memory.lines(), *_memory.slowest_tests(), *_memory.idle_lines()]:
         terminalreporter.write_line(line)
     for line in _memory.over_limits():
         terminalreporter.write_line(f"memory over its limit: {line}", red=True)

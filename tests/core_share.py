@@ -16,6 +16,11 @@ releases it at once, an exclusive holder keeps the gate closed while it waits fo
 empty and while it runs. Both files are per test run (xdist's run id), in the temp folder, and
 `flock` locks die with their process, so a killed worker never leaves a lock behind.
 
+A worker whose next test runs alone too keeps the lock between the two (`keep=True`): released,
+the other worker would pass the gate and start a test of its own, and the next distributed test
+would wait for it with its own core idle (the suite's distributed tests come in runs of
+consecutive ones in a file: 172 tests, 61 runs).
+
     share = CoreShare.for_run("3f2a")
     with share.hold(alone=True):     # a distributed test
         ...
@@ -27,6 +32,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,36 +49,60 @@ class CoreShare:
     def __init__(self, folder: Path, run_id: str) -> None:
         self.gate = open(folder / f"retarget-tests-{run_id}.gate", "a+")  # noqa: SIM115
         self.room = open(folder / f"retarget-tests-{run_id}.room", "a+")  # noqa: SIM115
+        #: This holder kept the lock alone after its last test (`hold(..., keep=True)`).
+        self.kept = False
+        #: Seconds spent waiting for the lock, alone and shared (what the run's report prints).
+        self.waited = {True: 0.0, False: 0.0}
 
     @classmethod
     def for_run(cls, run_id: str) -> CoreShare:
         return cls(Path(tempfile.gettempdir()), run_id)
 
     def close(self) -> None:
+        self._release_alone()
         self.gate.close()
         self.room.close()
 
     @contextlib.contextmanager
-    def hold(self, *, alone: bool) -> Iterator[None]:
+    def hold(self, *, alone: bool, keep: bool = False) -> Iterator[None]:
+        """Hold the lock around one test; `keep`: an alone holder keeps it afterwards (its next
+        test runs alone too) and its next `hold` takes it up without waiting."""
+        started = time.monotonic()
         if alone:
-            fcntl.flock(self.gate, fcntl.LOCK_EX)
-            try:
-                fcntl.flock(self.room, fcntl.LOCK_EX)
-                os.environ[ALONE_ENV] = "1"
+            if not self.kept:
+                fcntl.flock(self.gate, fcntl.LOCK_EX)
                 try:
-                    yield
-                finally:
-                    os.environ.pop(ALONE_ENV, None)
-                    fcntl.flock(self.room, fcntl.LOCK_UN)
+                    fcntl.flock(self.room, fcntl.LOCK_EX)
+                except BaseException:
+                    fcntl.flock(self.gate, fcntl.LOCK_UN)
+                    raise
+            self.kept = False
+            self.waited[True] += time.monotonic() - started
+            os.environ[ALONE_ENV] = "1"
+            try:
+                yield
             finally:
-                fcntl.flock(self.gate, fcntl.LOCK_UN)
+                os.environ.pop(ALONE_ENV, None)
+                if keep:
+                    self.kept = True
+                else:
+                    self._release_alone(held=True)
             return
+        self._release_alone()
         fcntl.flock(self.gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(self.room, fcntl.LOCK_SH)
         finally:
             fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.waited[False] += time.monotonic() - started
         try:
             yield
         finally:
             fcntl.flock(self.room, fcntl.LOCK_UN)
+
+    def _release_alone(self, held: bool = False) -> None:
+        """Give up the lock held alone (kept from the last test, or `held` by the one ending)."""
+        if held or self.kept:
+            fcntl.flock(self.room, fcntl.LOCK_UN)
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.kept = False

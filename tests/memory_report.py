@@ -10,6 +10,9 @@ the largest files, and fails the run when the peak or a file's peak passes its l
 Subprocesses (the ranks of distributed tests) are measured apart: the largest one is printed.
 The slowest files are printed too (wall time from a file's first test to the next file's), and
 the slowest tests (setup, call and teardown together), so a CI log says where its minutes went.
+A test that runs alone (the distributed ones, tests/core_share.py) has the machine to itself, so
+the machine's idle CPU time while it runs (/proc/stat) is what it left unused: the run prints
+their total and the tests that left the most core-seconds idle.
 
 Under pytest-xdist every worker measures the files it ran and hands its figures to the
 controller at the end (`to_dict` / `merge`); the controller prints one report: a file's peak is
@@ -29,6 +32,19 @@ from pathlib import Path
 GIB = 1024**3
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+_STAT = Path("/proc/stat")
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """The machine's (busy, idle) CPU seconds since boot, all cores summed (iowait is idle)."""
+    try:
+        fields = _STAT.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / tick, idle / tick
 
 
 def _status_bytes(field: str) -> int | None:
@@ -78,6 +94,10 @@ class MemoryReport:
         self.worker_peaks: dict[str, int] = {}
         #: The largest subprocess any worker started (merged in).
         self.worker_children = 0
+        #: Seconds the workers waited for the cores, tests run alone (True) and shared (False).
+        self.waited: dict[bool, float] = {True: 0.0, False: 0.0}
+        #: Per test run alone (node id): (busy, idle) core-seconds of the machine meanwhile.
+        self.alone: dict[str, tuple[float, float]] = {}
 
     def enter(self, file: str) -> None:
         if file == self.file:
@@ -103,6 +123,28 @@ class MemoryReport:
         """Add one phase (setup, call or teardown) of a test to its time."""
         self.tests[nodeid] = self.tests.get(nodeid, 0.0) + seconds
 
+    def record_alone(self, nodeid: str, before, after) -> None:
+        """A test that ran alone: the machine's CPU seconds (`cpu_seconds`) around it."""
+        if before is not None and after is not None:
+            self.alone[nodeid] = (after[0] - before[0], after[1] - before[1])
+
+    def idle_lines(self, top: int = 15) -> list[str]:
+        """What the tests run alone left of the cores: in total, and the `top` that left most."""
+        if not self.alone:
+            return []
+        busy = sum(b for b, _ in self.alone.values())
+        idle = sum(i for _, i in self.alone.values())
+        worst = sorted(self.alone.items(), key=lambda kv: -kv[1][1])[:top]
+        return [
+            f"waited for the cores: {self.waited[True]:.0f} s before tests run alone, "
+            f"{self.waited[False]:.0f} s before the others",
+            f"tests run alone: {len(self.alone)}, {busy / 60:.1f} core-minutes busy and "
+            f"{idle / 60:.1f} idle ({100 * idle / max(busy + idle, 1e-9):.0f}%); "
+            f"the {len(worst)} that left most idle (idle core-seconds, busy %):",
+        ] + [
+            f"  {i:7.1f}  {100 * b / max(b + i, 1e-9):3.0f}%  {nodeid}" for nodeid, (b, i) in worst
+        ]
+
     def to_dict(self) -> dict:
         """A worker's figures, for the controller's `merge` (plain types: xdist sends them)."""
         self.close()
@@ -112,6 +154,8 @@ class MemoryReport:
             "collection_peak": self.collection_peak,
             "measured": self.measured,
             "children": _children_bytes(),
+            "alone": self.alone,
+            "waited": [self.waited[True], self.waited[False]],
         }
 
     def merge(self, worker: str, figures: dict) -> None:
@@ -125,6 +169,9 @@ class MemoryReport:
         self.collection_peak = max(self.collection_peak or 0, figures["collection_peak"] or 0)
         self.measured = self.measured and figures["measured"]
         self.worker_children = max(self.worker_children, figures["children"])
+        self.alone.update({k: tuple(v) for k, v in figures["alone"].items()})
+        alone, shared = figures["waited"]
+        self.waited = {True: self.waited[True] + alone, False: self.waited[False] + shared}
 
     def run_peak(self) -> int:
         return max([self.collection_peak or 0, *self.peaks.values()])

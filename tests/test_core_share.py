@@ -92,6 +92,54 @@ def test_the_alone_holder_is_marked_in_the_environment(tmp_path):
     assert ALONE_ENV not in os.environ
 
 
+def test_an_alone_holder_keeps_the_lock_into_its_next_alone_test(tmp_path):
+    """Kept between two tests run alone, the lock lets no shared holder in between them; the
+    next test takes it up at once, and a hold without `keep` gives it back."""
+    alone, shared = CoreShare(tmp_path, "run"), CoreShare(tmp_path, "run")
+    events: list[str] = []
+    with alone.hold(alone=True, keep=True):
+        events.append("first alone test")
+
+    def other():
+        with shared.hold(alone=False):
+            events.append("shared test")
+
+    thread = _thread(other)
+    _wait_until_held(alone.gate.name)
+    time.sleep(0.3)  # time enough for the shared holder to pass, were the lock free
+    with alone.hold(alone=True):
+        events.append("second alone test")
+    thread.join(timeout=20)
+    assert events == ["first alone test", "second alone test", "shared test"]
+    assert not thread.is_alive() and not alone.kept
+
+
+def test_a_kept_lock_is_given_back_before_a_shared_test_of_its_own(tmp_path):
+    """A kept lock ends with the next test that runs beside the other worker's: a later test run
+    alone waits for the room to empty again, as a first one would."""
+    share, other = CoreShare(tmp_path, "run"), CoreShare(tmp_path, "run")
+    events: list[str] = []
+    with share.hold(alone=True, keep=True):
+        pass
+    with share.hold(alone=False):
+        pass
+    inside, leave = threading.Event(), threading.Event()
+
+    def beside():
+        with other.hold(alone=False):
+            inside.set()
+            leave.wait(10)
+            events.append("other's shared test ends")
+
+    thread = _thread(beside)
+    assert inside.wait(10)
+    threading.Timer(0.3, leave.set).start()
+    with share.hold(alone=True):
+        events.append("alone test")
+    thread.join(timeout=20)
+    assert events == ["other's shared test ends", "alone test"]
+
+
 def _rank(rank, world):
     return rank
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.memory_report import MemoryReport
 
 
@@ -54,3 +56,31 @@ def test_a_finished_module_leaves_no_graph_behind(pytester, monkeypatch):
     # Without the fixture the second module sees the first one's graph alive.
     pytester.makeconftest("")
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
+
+
+def test_tests_run_alone_are_ranked_by_the_core_seconds_they_left_idle():
+    worker = MemoryReport()
+    worker.record_alone("t.py::busy", (100.0, 50.0), (119.0, 51.0))  # 19 busy, 1 idle
+    worker.record_alone("t.py::sleepy", (0.0, 0.0), (2.0, 18.0))  # 2 busy, 18 idle
+    worker.record_alone("t.py::unmeasured", None, (1.0, 1.0))
+    worker.waited = {True: 12.0, False: 30.0}
+    controller = MemoryReport()
+    controller.merge("gw0", worker.to_dict())
+    lines = controller.idle_lines()
+    assert lines[0] == "waited for the cores: 12 s before tests run alone, 30 s before the others"
+    assert lines[1].startswith("tests run alone: 2, 0.3 core-minutes busy and 0.3 idle (48%)")
+    assert [line.split()[-1] for line in lines[2:]] == ["t.py::sleepy", "t.py::busy"]
+    assert lines[2].split()[:2] == ["18.0", "10%"]
+
+
+def test_the_machines_cpu_seconds_grow_with_work():
+    from tests.memory_report import cpu_seconds
+
+    before = cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        pass
+    busy, idle = cpu_seconds()
+    assert busy - before[0] >= 0.2 and idle >= before[1]
