@@ -32,10 +32,10 @@ _COMPILER = {
     "CompiledModule": "retarget.driver.compiled",
     "Pass": "retarget.passes.base",
     "PassResult": "retarget.passes.base",
-    "ConfigError": "retarget.spec.errors",
-    "Target": "retarget.spec.grammar",
-    "TargetError": "retarget.spec.grammar",
-    "parse_target": "retarget.spec.grammar",
+    "ConfigError": "retarget.targets.errors",
+    "Target": "retarget.targets.grammar",
+    "TargetError": "retarget.targets.grammar",
+    "parse_target": "retarget.targets.grammar",
 }
 #: Compiler names that pull in heavier layers still.
 _LAZY_COMPILER = {

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from retarget.core.errors import CheckpointError
-from retarget.spec.values import parse_dtype
+from retarget.targets.values import parse_dtype
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")

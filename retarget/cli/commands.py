@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from retarget.core.errors import PassError, TargetNotSupportedError
-from retarget.spec.grammar import Target, TargetError, parse_target
+from retarget.targets.grammar import Target, TargetError, parse_target
 
 Handler = Callable[[argparse.Namespace], int]
 Registrar = Callable[[argparse.ArgumentParser], Handler]

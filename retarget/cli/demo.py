@@ -22,7 +22,7 @@ from retarget.driver.compile import compile_for
 from retarget.driver.compiled import CompiledModule
 from retarget.models import synthetic_batch, tiny_lm
 from retarget.report.memory_estimate import estimate_memory
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 #: Distinct batches the demo cycles through.
 POOL = 4

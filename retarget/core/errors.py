@@ -1,7 +1,7 @@
 """Errors raised by retarget, by who has to act on them.
 
 User mistakes are ValueError subclasses that name the field and the fix (`TargetError` lives
-in `retarget.spec.grammar`); a pass that cannot handle what it was given raises `PassError`
+in `retarget.targets.grammar`); a pass that cannot handle what it was given raises `PassError`
 naming the pass and the passes that ran before it; a requested target part that no pass
 implements yet is refused with `TargetNotSupportedError` rather than silently skipped.
 """

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retarget.spec.values import parse_size
+from retarget.targets.values import parse_size
 
 DISK = "disk"
 CPU = "cpu"

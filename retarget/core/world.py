@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from retarget.spec.grammar import Target, TargetError, parse_target
+from retarget.targets.grammar import Target, TargetError, parse_target
 
 #: The variable that carries the target in effect to a script `retarget launch` started.
 TARGET_ENV = "RETARGET_TARGET"

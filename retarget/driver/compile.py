@@ -20,8 +20,8 @@ from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.base import Pass
 from retarget.passes.manager import PassManager
 from retarget.passes.pipeline import build_pipeline, place_extra, settle_capture
-from retarget.spec.grammar import Target, TargetError, parse_target
-from retarget.spec.strategies import STRATEGIES
+from retarget.targets.grammar import Target, TargetError, parse_target
+from retarget.targets.strategies import STRATEGIES
 
 
 def compile_for(

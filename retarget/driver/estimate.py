@@ -15,8 +15,8 @@ from torch import nn
 
 from retarget.driver.compile import compile_for
 from retarget.report.memory_estimate import MemoryEstimate, estimate_memory
-from retarget.spec.grammar import Target, parse_target
-from retarget.spec.precisions import PRECISION_PART_NAMES
+from retarget.targets.grammar import Target, parse_target
+from retarget.targets.precisions import PRECISION_PART_NAMES
 
 #: Target parts that change what one process computes; the others distribute it.
 LOCAL_PARTS = (*PRECISION_PART_NAMES, "ac")

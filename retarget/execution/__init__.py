@@ -14,5 +14,5 @@
 - offload/, stream.py, nested.py: weights brought in per block, tensors moved in nested data.
 
 Layer: below passes and runtime (they decide and drive; this executes); above ir, kernels,
-frontends, core and spec. It imports no pass, no runtime module and nothing above them.
+frontends, core and targets. It imports no pass, no runtime module and nothing above them.
 """

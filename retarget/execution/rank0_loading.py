@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 #: The variables transformers' from_pretrained reads to load weights on local rank 0 only.
 TRANSFORMERS_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}

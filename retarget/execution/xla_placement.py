@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 from retarget.core.slots import XLA_STEPS
 from retarget.execution import xla_device as xla
 from retarget.ir.program import Program
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 #: Calls of one kind allowed to compile. Measured with AdamW: steps 1 and 2 compile (the
 #: optimizer's state appears after step 1), none after; the third is margin. Kinds are counted

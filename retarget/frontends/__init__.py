@@ -13,7 +13,7 @@ signature and re-captures on a new one. Graph code reads parameters through `sel
 every call (see `binding.py`), so one graph serves every repeat of a block and always sees the
 live weights.
 
-Layer: above core and spec (and models); below ir and kernels, which it does not import.
+Layer: above core and targets (and models); below ir and kernels, which it does not import.
 """
 
 from __future__ import annotations

@@ -2,5 +2,5 @@
 history), and the Regions that hold the captured graphs (one per block type and call
 signature), their call keys and the user-hook rules.
 
-Layer: above frontends, core and spec; below execution, passes and runtime. Beside kernels.
+Layer: above frontends, core and targets; below execution, passes and runtime. Beside kernels.
 """

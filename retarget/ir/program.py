@@ -24,7 +24,7 @@ from torch import nn
 from retarget.core.plans import Plan
 from retarget.core.world import World
 from retarget.ir.region import Region
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 ROOT = "<model>"
 

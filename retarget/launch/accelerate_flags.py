@@ -30,10 +30,10 @@ import yaml
 from retarget.compat.accelerate.config_sections import read_target_sections
 from retarget.core.world import ACCUMULATION_ENV
 from retarget.launch.config import LaunchError
-from retarget.spec.errors import TargetError
-from retarget.spec.grammar import Target
-from retarget.spec.parallelism import CONTEXT_SIZES, SIZES
-from retarget.spec.precisions import PRECISION_PART_NAMES
+from retarget.targets.errors import TargetError
+from retarget.targets.grammar import Target
+from retarget.targets.parallelism import CONTEXT_SIZES, SIZES
+from retarget.targets.precisions import PRECISION_PART_NAMES
 
 __all__ = ["AccelerateFlags", "add_accelerate_arguments", "with_precision_flags"]
 
@@ -159,7 +159,7 @@ def add_accelerate_arguments(parser: argparse.ArgumentParser) -> None:
     for name in _SIZES:
         flag = f"parallelism_config_{name}"
         parser.add_argument(*_spellings(flag), dest=flag, type=int, help=argparse.SUPPRESS)
-    flag = "parallelism_config_cp_comm_strategy"  # cp's attention (spec/parallelism.py)
+    flag = "parallelism_config_cp_comm_strategy"  # cp's attention (targets/parallelism.py)
     parser.add_argument(*_spellings(flag), dest=flag, help=argparse.SUPPRESS)
     parser.add_argument("-q", "--quiet", action="store_true", help="no launch line")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")

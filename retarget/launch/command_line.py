@@ -17,7 +17,7 @@ from retarget.launch.config import RDZV_BACKENDS, SETTINGS, LaunchError, read_se
 from retarget.launch.dynamo_flags import DynamoFlags, add_dynamo_arguments
 from retarget.launch.launcher import LaunchPlan, resolve
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S
-from retarget.spec.precisions import MIXED_PRECISION
+from retarget.targets.precisions import MIXED_PRECISION
 
 __all__ = ["add_arguments", "plan_from_args"]
 

@@ -36,10 +36,10 @@ from typing import Any
 import yaml
 
 from retarget.compat.accelerate.config_yaml import read_accelerate_config
-from retarget.spec.errors import ConfigError
-from retarget.spec.grammar import Target, TargetError, parse_target
-from retarget.spec.precisions import MIXED_PRECISION, precision_of, with_precision
-from retarget.spec.values import parse_bool
+from retarget.targets.errors import ConfigError
+from retarget.targets.grammar import Target, TargetError, parse_target
+from retarget.targets.precisions import MIXED_PRECISION, precision_of, with_precision
+from retarget.targets.values import parse_bool
 
 __all__ = [
     "CONFIG_ENV",

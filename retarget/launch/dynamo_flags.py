@@ -19,8 +19,8 @@ import argparse
 from dataclasses import dataclass, fields
 
 from retarget.launch.config import LaunchError
-from retarget.spec.dynamo_settings import DEFAULT_MODE, backend_word, with_compile
-from retarget.spec.grammar import Target
+from retarget.targets.dynamo_settings import DEFAULT_MODE, backend_word, with_compile
+from retarget.targets.grammar import Target
 
 #: flag -> (metavar or None for a switch, help).
 _FLAGS = {

@@ -58,8 +58,8 @@ from retarget.launch.progress import progress_dir, stalled_lines
 from retarget.launch.reachability import DEFAULT_JOIN_TIMEOUT_S, check_port_free, wait_for_main
 from retarget.launch.signals import relay_usr1, stopped_dir, stopped_ranks
 from retarget.launch.slurm import slurm_settings
-from retarget.spec.grammar import Target
-from retarget.spec.precisions import with_precision
+from retarget.targets.grammar import Target
+from retarget.targets.precisions import with_precision
 
 __all__ = ["LaunchPlan", "rank_command", "resolve", "run", "torchrun_args"]
 
@@ -186,7 +186,7 @@ def check_target_parts(target: Target, origin: str, config_file: Path | None = N
     names the config file's keys that set the options it names (Accelerate's `fsdp_*`)."""
     from retarget.core.errors import TargetNotSupportedError
     from retarget.passes.pipeline import build_pipeline
-    from retarget.spec.grammar import TargetError
+    from retarget.targets.grammar import TargetError
 
     try:
         build_pipeline(target)

@@ -26,8 +26,8 @@ from retarget.launch.config import (
     default_config_path,
     write_launch_config,
 )
-from retarget.spec.grammar import Target
-from retarget.spec.precisions import MIXED_PRECISION, precision_of
+from retarget.targets.grammar import Target
+from retarget.targets.precisions import MIXED_PRECISION, precision_of
 
 __all__ = ["ask_launch_config", "configure", "default_launch_config"]
 

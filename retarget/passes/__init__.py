@@ -5,5 +5,5 @@ precision/, memory/, compile/, shard/, comm/, place/, apply/), run by the PassMa
 
 Passes decide: they capture and rewrite graphs and record plans; the appliers (apply/) carry
 the plans out through the execution layer. Layer: beside runtime; above execution, ir,
-kernels, frontends, core and spec; below bigmodel, report and the driver.
+kernels, frontends, core and targets; below bigmodel, report and the driver.
 """

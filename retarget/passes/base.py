@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from retarget.ir.program import Program
-    from retarget.spec.grammar import Target
+    from retarget.targets.grammar import Target
 
 
 @dataclass(frozen=True)

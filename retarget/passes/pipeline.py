@@ -35,8 +35,8 @@ from retarget.passes.shard.shard_tp import ShardTp
 from retarget.passes.shard.split_context import SplitContext
 from retarget.passes.shard.split_stages import SplitStages
 from retarget.passes.shard.zero1 import ShardOptimizerState
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 
 #: (target parts the stage realises, the pass class that builds it), in run order.
 STAGES: tuple[tuple[frozenset[str], type[Pass]], ...] = (

@@ -7,7 +7,7 @@ Parameters, gradients and optimizer state are counted, not modelled: the rewritt
 parameters (tied ones once), gradients of the same dtype for those that require grad, and the
 optimizer's state as torch creates it (Adam/AdamW: `exp_avg` and `exp_avg_sq` in the
 parameter's dtype plus a 4-byte `step` per parameter; SGD with momentum: one buffer). Sharding
-follows the strategy table (`retarget.spec.strategies`): FSDP2 shards every parameter along
+follows the strategy table (`retarget.targets.strategies`): FSDP2 shards every parameter along
 dim 0 in chunks of ceil(dim0 / ranks), so the largest rank (rank 0) holds that many rows of
 each; those are the per-rank figures. Activations come from one profiled forward
 (`passes/memory/activation_profile.py`) of the rewritten
@@ -33,8 +33,8 @@ from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, p
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.shard.stage_cuts import stage_parameters
 from retarget.passes.shard.tp_params import fsdp_shapes
-from retarget.spec.grammar import Target, parse_target
-from retarget.spec.strategies import STRATEGY
+from retarget.targets.grammar import Target, parse_target
+from retarget.targets.strategies import STRATEGY
 
 #: Optimizer -> (state tensors per parameter shaped like it, whether it keeps a `step` tensor).
 OPTIMIZERS: dict[str, tuple[int, bool]] = {

@@ -18,8 +18,8 @@ from retarget.compat.accelerate.config_yaml import read_accelerate_config
 from retarget.compat.accelerate.kwargs_handlers import KwargsHandlerError
 from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.pipeline import build_pipeline
-from retarget.spec.grammar import TargetError, parse_target
-from retarget.spec.schema import PARTS
+from retarget.targets.grammar import TargetError, parse_target
+from retarget.targets.schema import PARTS
 
 SUGGESTION = re.compile(
     r"(?:\buse|\be\.g\.|did you mean|needs one of)\s+"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from retarget import ConfigError
 from retarget.compat.accelerate.config_yaml import read_accelerate_config, target_from_yaml
 from retarget.launch.config import LaunchError, read_launch_config
-from retarget.spec.grammar import TargetError
+from retarget.targets.grammar import TargetError
 
 OURS = (
     "target", "num_processes", "num_machines", "machine_rank", "main_process_ip",

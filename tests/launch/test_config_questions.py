@@ -12,7 +12,7 @@ import torch
 from retarget.cli.main import main
 from retarget.launch.config import CONFIG_ENV, read_launch_config
 from retarget.launch.questions import default_launch_config
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from retarget.launch.launcher import (
     torchrun_args,
     worker_env,
 )
-from retarget.spec.grammar import Target, TargetError
+from retarget.targets.grammar import Target, TargetError
 from tests.paths import REPO
 
 SCRIPTS = REPO / "tests" / "scripts"

@@ -18,8 +18,8 @@ from retarget.launch.config import (
     read_settings,
     write_launch_config,
 )
-from retarget.spec.grammar import Target
-from retarget.spec.precisions import precision_of, with_precision
+from retarget.targets.grammar import Target
+from retarget.targets.precisions import precision_of, with_precision
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from retarget.passes.analysis.find_blocks import FindBlocks
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.capture.capture_regions import CaptureRegions
 from retarget.passes.manager import PassManager, check_order
-from retarget.spec.grammar import parse_target
+from retarget.targets.grammar import parse_target
 
 
 def make(name, requires=(), provides=(), run=None, numerics=None, after=()):

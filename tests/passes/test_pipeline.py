@@ -17,7 +17,7 @@ from retarget.passes.base import Pass, PassResult
 from retarget.passes.manager import PassManager, check_order
 from retarget.passes.pipeline import STAGES, build_pipeline, place_extra
 from retarget.passes.shard import shard_ddp
-from retarget.spec.grammar import parse_target
+from retarget.targets.grammar import parse_target
 
 ANALYSES = ["find_blocks", "capture_regions", "annotate_shapes"]
 #: Rich targets and the order their passes run in, as the pipeline documents it.

@@ -15,7 +15,7 @@ from retarget.cli.main import main
 from retarget.driver.estimate import local_target
 from retarget.passes.memory.measure import format_bytes, measure_training_step
 from retarget.report.memory_estimate import estimate_memory
-from retarget.spec.grammar import parse_target
+from retarget.targets.grammar import parse_target
 from tests.distributed import run_ranks
 from tests.memory_ranks import fsdp_rank, held_by_training, held_bytes, model_and_batch
 from tests.zoo import ZOO, call, loss_of

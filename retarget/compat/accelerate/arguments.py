@@ -19,8 +19,8 @@ from retarget.compat.accelerate.data_order import AccelerateDraws
 from retarget.compat.accelerate.kwargs_base import KwargsHandlerError
 from retarget.core.world import ACCUMULATION_ENV
 from retarget.runtime.state.checkpoint import ProjectConfig
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 __all__ = ["DistributedType", "ProjectConfiguration"]
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from retarget.spec.errors import TargetError
-from retarget.spec.schema import PARTS
-from retarget.spec.values import parse_bool
+from retarget.targets.errors import TargetError
+from retarget.targets.schema import PARTS
+from retarget.targets.values import parse_bool
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def is_noop(value: Any, extra: tuple[Any, ...] = ()) -> bool:
 
 
 def as_bool(file: AccelerateFile, key: str, value: Any) -> bool:
-    """A YAML bool, or true/yes/false/no (spec/values.py's words) as text."""
+    """A YAML bool, or true/yes/false/no (targets/values.py's words) as text."""
     try:
         return parse_bool(value)
     except ValueError:

@@ -59,9 +59,9 @@ from retarget.compat.accelerate.config_keys import (
     upper_word,
     word_map,
 )
-from retarget.spec.errors import TargetError
-from retarget.spec.grammar import Target
-from retarget.spec.parallelism import CONTEXT_SIZES, SIZES, parallelism_target, with_layout
+from retarget.targets.errors import TargetError
+from retarget.targets.grammar import Target
+from retarget.targets.parallelism import CONTEXT_SIZES, SIZES, parallelism_target, with_layout
 
 __all__ = ["read_distribution", "read_dynamo", "read_precision", "read_target_sections"]
 

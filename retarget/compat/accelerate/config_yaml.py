@@ -40,8 +40,8 @@ from retarget.compat.accelerate.config_sections import (
     read_dynamo,
     read_precision,
 )
-from retarget.spec.errors import TargetError
-from retarget.spec.grammar import Target
+from retarget.targets.errors import TargetError
+from retarget.targets.grammar import Target
 
 __all__ = [
     "AccelerateConfig",

@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from retarget.compat.accelerate.kwargs_base import KwargsHandlerError
-from retarget.spec.dynamo_settings import (
+from retarget.targets.dynamo_settings import (
     DEFAULT_MODE,
     NO_BACKEND,
     DynamoSettings,
     backend_word,
     with_compile,
 )
-from retarget.spec.errors import ConfigError
-from retarget.spec.grammar import Target, TargetError
-from retarget.spec.values import parse_bool
+from retarget.targets.errors import ConfigError
+from retarget.targets.grammar import Target, TargetError
+from retarget.targets.values import parse_bool
 
 ENV_PREFIX = "ACCELERATE_DYNAMO_"
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-from retarget.spec.strategies import STRATEGIES
+from retarget.targets.strategies import STRATEGIES
 
 __all__ = ["KwargsHandler", "KwargsHandlerError", "TargetDraft"]
 

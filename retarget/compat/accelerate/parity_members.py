@@ -17,7 +17,7 @@ from torch import nn
 
 from retarget.compat.accelerate.arguments import DistributedType
 from retarget.compat.accelerate.parity_state import GradientStateView
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 #: fp8 backends as Accelerate's FP8BackendType names them.
 _FP8_BACKENDS = {"te": "TE", "msamp": "MSAMP", "torchao": "AO"}

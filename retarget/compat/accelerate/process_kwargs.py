@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from retarget.compat.accelerate.kwargs_base import KwargsHandler, KwargsHandlerError, TargetDraft
-from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
+from retarget.targets.strategies import DDP_STRATEGIES, FSDP_STRATEGIES
 
 __all__ = [
     "DDPCommunicationHookType",

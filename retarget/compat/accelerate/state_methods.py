@@ -23,7 +23,7 @@ from retarget.compat.accelerate.checkpoint_restore import load_accelerate_checkp
 from retarget.compat.accelerate.fp32_wrapper import set_fp32_wrapper
 from retarget.runtime.state import checkpoint
 from retarget.runtime.state import save_model as model_files
-from retarget.spec.precisions import LOW_DTYPES
+from retarget.targets.precisions import LOW_DTYPES
 
 
 class StateMethods:

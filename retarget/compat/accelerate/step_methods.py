@@ -20,7 +20,7 @@ from retarget.compat.accelerate.precision_kwargs import AutocastKwargs
 from retarget.compat.accelerate.process_kwargs import ProfileKwargs
 from retarget.execution.nested import map_tensors
 from retarget.runtime import collectives
-from retarget.spec.precisions import LOW_DTYPES
+from retarget.targets.precisions import LOW_DTYPES
 
 
 class StepMethods:

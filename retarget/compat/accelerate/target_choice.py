@@ -31,9 +31,9 @@ from retarget.compat.accelerate.kwargs_base import KwargsHandler, KwargsHandlerE
 from retarget.compat.accelerate.precision_kwargs import FP8_RECIPES
 from retarget.core.world import TARGET_ENV, launched_target
 from retarget.execution import xla_device as xla
-from retarget.spec.grammar import Target, TargetError, parse_target
-from retarget.spec.parallelism import CONTEXT_SIZES, SIZES, parallelism_target
-from retarget.spec.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
+from retarget.targets.grammar import Target, TargetError, parse_target
+from retarget.targets.parallelism import CONTEXT_SIZES, SIZES, parallelism_target
+from retarget.targets.precisions import PRECISION_PART_NAMES, PRECISION_PARTS, precision_of
 
 __all__ = ["Resolution", "resolve_target"]
 

@@ -37,7 +37,7 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program, describe_tensor
 from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any) -> int:

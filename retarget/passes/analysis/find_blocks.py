@@ -22,7 +22,7 @@ from torch import nn
 from retarget.core.modules import original_class
 from retarget.ir.program import BlockGroup, Program
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 #: Attributes that name a module's position rather than what it computes.
 POSITION_ATTRIBUTES = frozenset(

@@ -36,8 +36,8 @@ from retarget.execution.tp_regions import regions_holding_split_modules
 from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import STRATEGIES
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import STRATEGIES
 
 #: Target parts whose decisions this stage carries out (fp16: the step guard for its scaler).
 APPLIED_PARTS = frozenset({*STRATEGIES, "tp", "pp", "offload", "fp16"} - {"single"})

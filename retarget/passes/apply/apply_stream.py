@@ -16,7 +16,7 @@ from typing import Any
 from retarget.execution.stream import stream_weights
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 class ApplyStream(Pass):

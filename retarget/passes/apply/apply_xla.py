@@ -15,7 +15,7 @@ from typing import Any
 from retarget.execution.xla_placement import apply_xla
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 class ApplyXla(Pass):

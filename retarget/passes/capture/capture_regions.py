@@ -40,7 +40,7 @@ from retarget.frontends.state import copy_state_args
 from retarget.ir.program import ROOT, Program
 from retarget.ir.region import Region, running_eagerly
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 MODES = ("regions", "auto", "whole", "eager")
 

@@ -24,7 +24,7 @@ from typing import Any
 from retarget.core.plans import CommHookPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 HOOK_PARTS = ("fp16-comm", "bf16-comm", "powersgd")
 _CAST = {"fp16-comm": "float16", "bf16-comm": "bfloat16"}

@@ -50,8 +50,8 @@ from retarget.frontends.check import preserved_state
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import STRATEGY
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import STRATEGY
 
 #: The modes that run CUDA graphs: refused for a model not on CUDA.
 CUDA_GRAPH_MODES = ("reduce-overhead",)

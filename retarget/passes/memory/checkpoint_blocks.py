@@ -58,7 +58,7 @@ from retarget.passes.memory.activation_profile import ActivationProfile, profile
 from retarget.passes.memory.budget import BudgetPlan, solve_budget
 from retarget.passes.memory.measure import format_bytes
 from retarget.passes.memory.selective_scope import scope_kept_calls
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 BUDGET = "budget"
 POLICY_OPTIONS = (FULL, SELECTIVE, BUDGET)

@@ -34,7 +34,7 @@ from retarget.core.placement import (
 )
 from retarget.passes.analysis.find_blocks import repeated_blocks
 from retarget.passes.place.activation_headroom import activation_headroom
-from retarget.spec.values import parse_dtype
+from retarget.targets.values import parse_dtype
 
 MODES = ("auto", "balanced", "sequential")
 #: Share of the free memory planned for when max_memory is not given.

@@ -32,7 +32,7 @@ from retarget.core.plans import XlaPlan
 from retarget.execution import xla_device as xla
 from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 SHARDINGS = ("fsdp", "replicate")
 

@@ -35,7 +35,7 @@ from retarget.passes.place.device_map import (
     no_split_paths,
     tensor_sizes,
 )
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ Every decision is data here, not an if-chain in the pass (STYLE.md point 3):
 - `LOWER`: the matmul class (torch.autocast's `lower_precision_fp` list). Their floating inputs
   are cast to bf16/fp16 and their output stays in it.
 - `ISLANDS`: op -> island kind. An island whose kind is in `keep_fp32` gets its inputs cast back
-  to float32. The kinds are the target's `keep_fp32` choices (retarget/spec/schema.py).
+  to float32. The kinds are the target's `keep_fp32` choices (retarget/targets/schema.py).
 - `PATTERNS`: op chains that form one island together, e.g. the RMSNorm of HF Llama written
   as `pow -> mean -> add -> rsqrt` (each op alone would be a pow / reduce / pow island).
 - `CONDITIONS`: an island kind that applies only when a predicate holds (large reductions).

@@ -65,8 +65,8 @@ from retarget.ir.region import Region
 from retarget.passes.base import Numerics, Pass, PassResult
 from retarget.passes.precision import autocast_rules as rules
 from retarget.passes.precision.autocast_graph import plan_graph, rewrite_graph
-from retarget.spec.grammar import Target
-from retarget.spec.precisions import LOW_DTYPES
+from retarget.targets.grammar import Target
+from retarget.targets.precisions import LOW_DTYPES
 
 #: Loss-scaler options of the fp16 target part, recorded in program.plan.loss_scaler.
 SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")

@@ -54,9 +54,9 @@ from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.passes.precision.fp8_rules import unused_patterns
 from retarget.passes.precision.quant_rules import QuantDecision, decide_all
 from retarget.passes.precision.swap_fp8 import called_paths, compress_paths, route_regions
-from retarget.spec.grammar import PARTS, Target
-from retarget.spec.precisions import LOW_DTYPES
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.grammar import PARTS, Target
+from retarget.targets.precisions import LOW_DTYPES
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 _SCHEMA = PARTS["quant"].options
 _COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -46,7 +46,7 @@ from retarget.passes.precision.fp8_rules import (
     decide_all,
     unused_patterns,
 )
-from retarget.spec.grammar import PARTS, Target
+from retarget.targets.grammar import PARTS, Target
 
 _SCHEMA = PARTS["fp8"].options
 #: The call_function targets that compute a Linear in the graphs our frontends produce.

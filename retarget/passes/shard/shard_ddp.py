@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from retarget.core.plans import DdpBucket, DdpPlan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
-from retarget.spec.grammar import PARTS, Target
+from retarget.targets.grammar import PARTS, Target
 
 _SCHEMA = PARTS["ddp"].options
 _MIB = 1024 * 1024

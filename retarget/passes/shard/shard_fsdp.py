@@ -66,10 +66,10 @@ from retarget.passes.shard.fsdp_units import (
     stage_units,
     unit_note,
 )
-from retarget.spec.grammar import Target
-from retarget.spec.precisions import LOW_DTYPES, dtype_name
-from retarget.spec.strategies import FSDP_STRATEGIES
-from retarget.spec.values import parse_dtype
+from retarget.targets.grammar import Target
+from retarget.targets.precisions import LOW_DTYPES, dtype_name
+from retarget.targets.strategies import FSDP_STRATEGIES
+from retarget.targets.values import parse_dtype
 
 #: The dtype gradients are reduce-scattered in when the target has a precision part.
 REDUCE_DTYPE = "float32"

@@ -55,8 +55,8 @@ from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.tp_beside_pp import blocks_only, refuse_beside_pp
 from retarget.passes.shard.tp_params import per_rank_of
-from retarget.spec.grammar import Target
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.grammar import Target
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ from retarget.execution.context.batch import local_example, sequence_length
 from retarget.execution.context.hf_attention import register_implementation
 from retarget.ir.program import ExampleInputs, Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
-from retarget.spec.grammar import PARTS, Target
+from retarget.targets.grammar import PARTS, Target
 
 _SCHEMA = PARTS["cp"].options
 

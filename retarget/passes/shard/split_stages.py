@@ -63,8 +63,8 @@ from retarget.ir.program import Program
 from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.passes.compile.compile_regions import checked_options, refuse_cuda_graphs_off_cuda
 from retarget.passes.shard.stage_cuts import best_stages, repeated_blocks
-from retarget.spec.grammar import PARTS, Target
-from retarget.spec.strategies import FSDP_STRATEGIES
+from retarget.targets.grammar import PARTS, Target
+from retarget.targets.strategies import FSDP_STRATEGIES
 
 _SCHEMA = PARTS["pp"].options
 #: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them):

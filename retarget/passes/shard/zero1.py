@@ -24,7 +24,7 @@ from retarget.core.plans import Zero1Plan
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.passes.shard.shard_ddp import trainable_parameters
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 OPTIMIZER = "torch.distributed.optim.ZeroRedundancyOptimizer"
 

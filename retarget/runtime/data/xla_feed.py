@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from retarget.execution import xla_device as xla
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 
 class XlaFeed:

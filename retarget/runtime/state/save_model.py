@@ -41,7 +41,7 @@ from retarget.execution.apply_plan import applied_of
 from retarget.execution.process import ProcessState
 from retarget.kernels.quant.linear import QuantizedLinear
 from retarget.runtime.state.codec import fsync_file
-from retarget.spec.values import parse_size as parse_bytes_of
+from retarget.targets.values import parse_size as parse_bytes_of
 
 #: File names by format: (shard prefix, extension, index name).
 _LAYOUT = {

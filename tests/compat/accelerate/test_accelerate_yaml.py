@@ -13,7 +13,7 @@ from retarget.compat.accelerate.config_yaml import (
     read_accelerate_config,
     target_from_yaml,
 )
-from retarget.spec.grammar import Target, TargetError, parse_target
+from retarget.targets.grammar import Target, TargetError, parse_target
 
 
 def write(tmp_path, text: str, name: str = "config.yaml") -> str:

@@ -16,8 +16,8 @@ from retarget.compat.accelerate.kwargs_base import KwargsHandlerError
 from retarget.core.world import TARGET_ENV
 from retarget.launch.command_line import plan_from_args
 from retarget.launch.config import CONFIG_ENV, LaunchError
-from retarget.spec.dynamo_settings import DynamoSettings, with_compile
-from retarget.spec.grammar import Target
+from retarget.targets.dynamo_settings import DynamoSettings, with_compile
+from retarget.targets.grammar import Target
 from tests import zoo
 
 VARIABLES = ("BACKEND", "MODE", "USE_FULLGRAPH", "USE_DYNAMIC", "USE_REGIONAL_COMPILATION")

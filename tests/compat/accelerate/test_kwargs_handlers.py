@@ -25,7 +25,7 @@ from retarget.compat.accelerate.process_kwargs import (
     ProfileKwargs,
 )
 from retarget.compat.accelerate.target_choice import resolve_target
-from retarget.spec.grammar import TargetError
+from retarget.targets.grammar import TargetError
 
 
 def target_of(*handlers, **kwargs) -> str:

@@ -9,9 +9,9 @@ import pytest
 
 from retarget.compat.accelerate.config_yaml import read_accelerate_config
 from retarget.compat.accelerate.target_choice import resolve_target
-from retarget.spec.errors import TargetError
-from retarget.spec.grammar import Target
-from retarget.spec.parallelism import parallelism_target
+from retarget.targets.errors import TargetError
+from retarget.targets.grammar import Target
+from retarget.targets.parallelism import parallelism_target
 
 
 def _sizes(**given: int) -> dict[str, int]:

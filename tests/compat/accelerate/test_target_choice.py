@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from retarget.compat.accelerate.target_choice import resolve_target
-from retarget.spec.grammar import TargetError
+from retarget.targets.grammar import TargetError
 
 
 def target_of(**kwargs) -> str:

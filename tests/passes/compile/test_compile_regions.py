@@ -24,7 +24,7 @@ from retarget.core.errors import (
 )
 from retarget.passes.compile import compile_regions
 from retarget.passes.pipeline import build_pipeline
-from retarget.spec.grammar import TargetError, parse_target
+from retarget.targets.grammar import TargetError, parse_target
 from tests.conftest import step, to_device
 from tests.zoo import ZOO, ResidualMLP, call, vector_inputs
 

@@ -17,7 +17,7 @@ import retarget
 from retarget.bigmodel.load_checkpoint import load_checkpoint_in_model
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.slots import OFFLOAD
-from retarget.spec.grammar import TargetError, parse_target
+from retarget.targets.grammar import TargetError, parse_target
 from tests.bigmodel.test_dispatch import empty, generate
 from tests.bigmodel_models import build, inputs, logits
 

@@ -22,7 +22,7 @@ from retarget.core.modules import original_class
 from retarget.passes.precision.autocast_graph import rewrite_graph
 from retarget.passes.precision.insert_autocast import AutocastOptions
 from retarget.runtime.scaler import LossScaler, make_loss_scaler
-from retarget.spec.grammar import TargetError
+from retarget.targets.grammar import TargetError
 from tests.conftest import step, to_device
 from tests.zoo import SEQ, VOCAB, ZOO, call, first_block_call, loss_of
 

@@ -17,7 +17,7 @@ import retarget
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.modules import released
 from retarget.kernels.quant.linear import QuantizedLinear
-from retarget.spec.errors import TargetError
+from retarget.targets.errors import TargetError
 from tests import zoo
 
 BNB = pytest.mark.skipif(

@@ -12,7 +12,7 @@ from retarget.core.modules import original_class
 from retarget.kernels.fp8.native import Float8Linear
 from retarget.passes.precision.fp8_rules import RULES, EligibilityOptions, decide_all
 from retarget.passes.precision.swap_fp8 import SwapFp8, SwapFp8Options
-from retarget.spec.grammar import TargetError
+from retarget.targets.grammar import TargetError
 from tests.conftest import to_device
 from tests.kernels.test_fp8_native import OpRecorder
 from tests.zoo import ZOO, call, loss_of

@@ -22,7 +22,7 @@ import torch
 import retarget
 from retarget.core.errors import TargetNotSupportedError
 from retarget.models.tiny_llama import tiny_lm
-from retarget.spec.errors import TargetError
+from retarget.targets.errors import TargetError
 from tests import zoo
 from tests.distributed import run_ranks
 

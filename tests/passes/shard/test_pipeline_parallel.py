@@ -37,7 +37,7 @@ import torch
 import retarget
 from retarget.core.errors import TargetNotSupportedError
 from retarget.passes.shard.stage_cuts import IMBALANCE_GOAL, balance, cut_units, module_stages
-from retarget.spec.errors import TargetError
+from retarget.targets.errors import TargetError
 from tests import zoo
 from tests.distributed import run_ranks
 

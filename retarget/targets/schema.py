@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from retarget.spec.options import (
+from retarget.targets.options import (
     Option,
     bool_option,
     enum_option,

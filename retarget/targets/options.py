@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from retarget.spec.values import SizeError, format_size, has_size_unit, parse_bool, parse_size
+from retarget.targets.values import SizeError, format_size, has_size_unit, parse_bool, parse_size
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retarget.spec.grammar import (
+from retarget.targets.grammar import (
     PARTS,
     STRATEGIES,
     Option,

@@ -36,17 +36,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from retarget.spec.errors import TargetError, in_where, suggest
-from retarget.spec.options import Option, format_option, format_value
-from retarget.spec.rules import (
+from retarget.targets.errors import TargetError, in_where, suggest
+from retarget.targets.options import Option, format_option, format_value
+from retarget.targets.rules import (
     NAME_HINTS,
     check_conflicts,
     check_option_rules,
     effective_option,
     option_default,
 )
-from retarget.spec.schema import PART_ORDER, PARTS, PartSchema
-from retarget.spec.strategies import STRATEGIES
+from retarget.targets.schema import PART_ORDER, PARTS, PartSchema
+from retarget.targets.strategies import STRATEGIES
 
 __all__ = [
     "PARTS",

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from itertools import combinations
 from typing import Any, Protocol
 
-from retarget.spec.errors import TargetError
-from retarget.spec.options import format_option, format_value
-from retarget.spec.schema import PARTS
-from retarget.spec.strategies import DDP_STRATEGIES, FSDP_STRATEGIES, STRATEGIES, STRATEGY
+from retarget.targets.errors import TargetError
+from retarget.targets.options import format_option, format_value
+from retarget.targets.schema import PARTS
+from retarget.targets.strategies import DDP_STRATEGIES, FSDP_STRATEGIES, STRATEGIES, STRATEGY
 
 _HOOK_CLASH = (
     "are both DDP comm hooks and DDP takes one: write them as one hook, "

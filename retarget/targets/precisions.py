@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from retarget.spec.grammar import Part, Target
+from retarget.targets.grammar import Part, Target
 
 if TYPE_CHECKING:
     import torch

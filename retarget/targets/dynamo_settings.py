@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from retarget.spec.grammar import Target
+from retarget.targets.grammar import Target
 
 NO_BACKEND = "no"
 DEFAULT_MODE = "default"

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from retarget.spec.errors import TargetError
-from retarget.spec.grammar import Target
+from retarget.targets.errors import TargetError
+from retarget.targets.grammar import Target
 
 #: The data-parallel and tensor-parallel sizes; the context-parallel ones are CONTEXT_SIZES.
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size")

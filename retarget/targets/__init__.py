@@ -6,8 +6,8 @@ Layer: the lowest but the built-in models; it imports nothing else from retarget
 config YAML, read as a target, is the compat layer's (compat/accelerate/config_yaml.py).
 """
 
-from retarget.spec.grammar import Part, Target, TargetError, parse_target
-from retarget.spec.schema import PARTS
-from retarget.spec.strategies import STRATEGIES
+from retarget.targets.grammar import Part, Target, TargetError, parse_target
+from retarget.targets.schema import PARTS
+from retarget.targets.strategies import STRATEGIES
 
 __all__ = ["PARTS", "STRATEGIES", "Part", "Target", "TargetError", "parse_target"]
