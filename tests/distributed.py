@@ -25,17 +25,19 @@ destroyed and dynamo's caches are reset. `fresh=True` runs a case in new `spawn`
 instead, for what lasts a process's life (torch_xla's SPMD switch, counting every object alive, a
 process's whole memory).
 
-A rank that raises fails the test with that rank's traceback; a run that exceeds `timeout`
-fails it too. Either way the world's processes are killed and the next case gets a new world
-(a peer may be stuck in a collective), so a hang never stalls the suite and no broken state
-carries on. `timeout` bounds a hang, not the work: on a loaded 2-core machine a case takes
-several times what it takes alone, so the defaults are generous (a dead rank is noticed at once
-by its exit code, whatever the timeout).
+A rank that raises fails the test with that rank's traceback; a run that exceeds `timeout` fails it
+too; a rank killed by a signal (a segmentation fault) fails it at once, and its threads' Python
+stacks are in the test's captured stderr (faulthandler). Either way the world's processes are killed
+and the next case gets a new world (a peer may be stuck in a collective), so a hang never stalls the
+suite and no broken state carries on. `timeout` bounds a hang, not the work: on a loaded 2-core
+machine a case takes several times what it takes alone, so the defaults are generous (a dead rank is
+noticed at once by its exit code, whatever the timeout).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import itertools
 import multiprocessing as mp
@@ -159,6 +161,8 @@ def _serve(rank: int, world: int, inbox: Any, results: Any, lifeline: Any) -> No
     """A pooled rank: run each case sent to it, as a fresh rank would, until told to stop."""
     import torch  # noqa: F401 - imported before the state is taken, as in a fresh rank
 
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal leaves its stacks
+
     fresh = _FreshState()
     while (case := _next_case(inbox, lifeline)) is not None:
         case_id, body, port, environ, cwd = case
@@ -190,6 +194,7 @@ def _once(body: bytes, rank: int, world: int, port: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal leaves its stacks
     torch.set_num_threads(1)
     try:
         ok, value = _run_case(body, rank, world)
