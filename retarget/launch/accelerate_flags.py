@@ -14,7 +14,7 @@ alone replace the precision parts of the target in effect. torchrun's flags pass
 Megatron-LM, MPI, SageMaker, IPEX, N-D parallelism options other than the sizes) are parsed
 so that using one is an error naming it and the reason, never argparse's "unrecognized
 arguments". --use_parallelism_config with --parallelism_config_{dp_replicate,dp_shard,tp}_size
-is the layout those sizes give (target/parallelism.py): tp 2 and dp_shard 2 is fsdp+tp[size=2].
+is the layout those sizes give (targets/parallelism.py): tp 2 and dp_shard 2 is fsdp+tp[size=2].
 As in Accelerate it goes with --use_fsdp, whose flags keep their meaning (--fsdp_offload_params,
 --fsdp_activation_checkpointing, ...); --use_fsdp may be left out.
 """
@@ -100,7 +100,7 @@ REFUSED: dict[str, tuple[bool, str]] = {
     "ipex": (False, "Intel Extension for PyTorch is not applied; torch's own CPU path runs"),
     "enable_cpu_affinity": (False, "NUMA affinity is not set; start the launch under numactl"),
 }
-#: --parallelism_config_<size>: read by target/parallelism.py (N-D sizes -> the target).
+#: --parallelism_config_<size>: read by targets/parallelism.py (N-D sizes -> the target).
 _SIZES = (*SIZES, *CONTEXT_SIZES)
 _PARALLELISM = ("cp_backend", "sp_backend", "sp_seq_length")
 _PARALLELISM += ("sp_seq_length_is_variable", "sp_attn_implementation")

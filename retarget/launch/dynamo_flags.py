@@ -6,11 +6,11 @@
 The flags are Accelerate's: --dynamo_backend (no: no compile part), --dynamo_mode,
 --dynamo_use_fullgraph, --dynamo_use_dynamic, --dynamo_use_regional_compilation (also with
 dashes). They change the target in effect (from --target, the config file, or the default) and
-override its compile part key by key; target/dynamo_settings.py says what maps to what. As under
+override its compile part key by key; targets/dynamo_settings.py says what maps to what. As under
 `accelerate launch`, which always exports ACCELERATE_DYNAMO_USE_DYNAMIC, a backend without
 --dynamo_use_dynamic compiles with dynamic=false, unless the target's compile part already says.
 A mode or a switch without a backend (and without a compile part to change) is refused, and so is
-one beside --dynamo_backend no. What each flag sets is the table of target/dynamo_settings.py.
+one beside --dynamo_backend no. What each flag sets is the table of targets/dynamo_settings.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One mapping for the doors that are not a config file: `Accelerator(dynamo_backend=...)`,
 `Accelerator(dynamo_plugin=TorchDynamoPlugin(...))`, the `ACCELERATE_DYNAMO_*` variables
 `accelerate launch` exports, and `retarget launch --dynamo_*` (a config file's `dynamo_config`
-is read by accelerate_sections.py, key by key, into the same options):
+is read by compat/accelerate/config_sections.py, key by key, into the same options):
 
     backend                    no -> no compile part | else backend=<lowercase>
     mode                       default -> (default)  | else mode=<mode>

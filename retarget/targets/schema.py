@@ -2,7 +2,8 @@
 values, doc), in canonical order.
 
 A table, not if-chains: the grammar (grammar.py) parses specs against it, the rules (rules.py)
-say which parts and options combine, and accelerate_yaml.py maps Accelerate's keys onto it.
+say which parts and options combine, and compat/accelerate/config_yaml.py maps Accelerate's
+keys onto it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How one key of an Accelerate config is read: value converters and key handlers.
 
-A section of the config is a table of handlers, one per key (accelerate_yaml.py holds the
+A section of the config is a table of handlers, one per key (config_sections.py holds the
 tables): a handler sets an option of the part the key belongs to (``sets_option``), adds a part
 (``adds_part``), accepts what describes what we do anyway (``accepted``), or refuses anything
 but a no-op value with the reason (``refused_unless``). ``apply_keys`` runs a section's table.

@@ -19,7 +19,7 @@
                       fp8_format, amax_history_len, amax_compute_algo, margin, interval,
                       override_linear_precision, use_autocast_during_eval, opt_level
     parallelism_config  (with FSDP only) parallelism_config_{dp_replicate,dp_shard,tp}_size ->
-                      the layout of target/parallelism.py in place of fsdp_config's strategy,
+                      the layout of targets/parallelism.py in place of fsdp_config's strategy,
                       keeping its options: dp_shard 2 + tp 2 -> fsdp+tp[size=2]; cp/sp > 1 and
                       the other cp_*/sp_* keys refused
     dynamo_config     dynamo_backend NO -> nothing, else compile[backend=<lowercase>];
@@ -222,7 +222,7 @@ _ND = "only the dp_replicate/dp_shard/tp/cp/sp sizes of a parallelism config are
 
 def _read_parallelism(file: AccelerateFile, parts: Parts) -> None:
     """parallelism_config (Accelerate's N-D sizes, beside FSDP2 only) in place of the strategy
-    fsdp_config chose: target/parallelism.py maps the sizes and merges the two."""
+    fsdp_config chose: targets/parallelism.py maps the sizes and merges the two."""
     config = read_section(file, "parallelism_config")
     if is_noop(config):
         return

@@ -5,7 +5,7 @@ the target or to the launch settings, ignored because its value is a no-op (fals
 ``main``, ...), or refused with the reason. Unknown keys are errors, as in Accelerate.
 
 The keys that say the target (distributed_type, mixed_precision, fsdp_config, deepspeed_config,
-tp_config, parallelism_config, fp8_config, dynamo_config) are read by accelerate_sections.py,
+tp_config, parallelism_config, fp8_config, dynamo_config) are read by config_sections.py,
 whose docstring maps each of them; this module reads the file, the launch settings
 (num_processes, num_machines, machine_rank, main_process_ip/port, gradient_accumulation_steps,
 use_cpu, gpu_ids, rdzv_backend) and refuses the top-level keys nothing here can honour (TPU

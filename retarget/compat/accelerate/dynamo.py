@@ -4,7 +4,7 @@ As in Accelerate, `Accelerator(dynamo_backend=b)` is `dynamo_plugin=TorchDynamoP
 passing both is an error, and a plugin's unset fields (and the backend when neither is passed)
 come from the variables `accelerate launch` exports: ACCELERATE_DYNAMO_BACKEND, _MODE,
 _USE_FULLGRAPH, _USE_DYNAMIC, _USE_REGIONAL_COMPILATION. The plugin becomes the target's compile
-part through target/dynamo_settings.py (the table of what maps to what). A backend passed as an
+part through targets/dynamo_settings.py (the table of what maps to what). A backend passed as an
 argument or in a plugin replaces the compile part of a launched target ($RETARGET_TARGET; no
 removes it) and must agree with an explicit `target=`, as mixed_precision= does; one read from
 the environment alone is used only when the target has no compile part.
@@ -58,7 +58,7 @@ class TorchDynamoPlugin:
     disable: bool = False
     """True: no compile part (torch.compile's no-op)."""
     use_regional_compilation: bool | None = None
-    """Read for Accelerate's sake; regions are compiled either way (target/dynamo_settings.py)."""
+    """Read for Accelerate's sake; regions are compiled either way (targets/dynamo_settings.py)."""
 
     def __post_init__(self) -> None:
         given = {name: getattr(self, name) for name in _READ}

@@ -5,7 +5,7 @@ GradScalerKwargs  -> fp16[init_scale, growth_factor, backoff_factor, growth_inte
 TERecipeKwargs / MSAMPRecipeKwargs / FP8RecipeKwargs / AORecipeKwargs
                   -> fp8[backend=te|msamp|torchao, format, amax_history, ...], written as
                      Accelerate's fp8_config keys and read by the same table as its YAML
-                     (target/accelerate_sections.py); need mixed_precision="fp8".
+                     (config_sections.py); need mixed_precision="fp8".
 AutocastKwargs    -> Accelerator.autocast() blocks.
 """
 

@@ -72,7 +72,8 @@ class StateMethods:
         `strict=True` (the default, Accelerate's model loading keyword) is what happens: every
         tensor is checked against the checkpoint. `load_kwargs` (torch.load's) and
         `strict=False` are refused: nothing is unpickled, and DCP loads whole models. A folder
-        written by Hugging Face Accelerate's save_state is read too (accelerate_checkpoint.py):
+        written by Hugging Face Accelerate's save_state is read too (checkpoint_folder.py,
+        checkpoint_restore.py):
         the run continues from Accelerate's step.
         """
         if load_kwargs:

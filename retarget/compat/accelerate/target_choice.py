@@ -1,8 +1,8 @@
 """Which Target an Accelerator trains for, from its arguments, the launch, and the world size.
 
 In order, the distribution comes from: `target=`; else `parallelism_config=` (Accelerate's
-N-D sizes, target/parallelism.py); else `fsdp_plugin=` / `deepspeed_plugin=`
-(mapped by the fsdp_config / deepspeed_config tables of target/accelerate_sections.py, the
+N-D sizes, targets/parallelism.py); else `fsdp_plugin=` / `deepspeed_plugin=`
+(mapped by the fsdp_config / deepspeed_config tables of config_sections.py, the
 same ones that read Accelerate's YAML); else `$RETARGET_TARGET` (set by `retarget launch`);
 else `ddp` for more than one process and `single` for one. `torch_tp_plugin=` adds
 tp[size=tp_size] to an fsdp_plugin's or the default's distribution. Precision: `mixed_precision=`

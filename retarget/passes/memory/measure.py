@@ -42,7 +42,8 @@ def tensor_storages(tree: Any) -> list[torch.UntypedStorage]:
 class StorageTracker(TorchDispatchMode):
     """Counts the bytes of storages that ops allocate while it is active, live and at peak.
 
-    Subclasses refine `on_new_storage` / `on_op` to attribute allocations (see profile.py).
+    Subclasses refine `on_new_storage` / `on_op` to attribute allocations (see
+    activation_profile.py).
     """
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ uninterrupted run. Skipped batches are loaded and discarded (cost: `batches_seen
     >>> loader.load_state_dict(state)        # the next iter() continues where it stopped
 
 A sampler with `set_epoch` (DistributedSampler) is told the epoch before each one starts, so
-its shuffle differs per epoch without the caller doing it. Loaders from `runtime/data.py` and
+its shuffle differs per epoch without the caller doing it. Loaders from `sharded_loader.py` and
 torchdata's StatefulDataLoader keep their own position and need no wrapper.
 """
 

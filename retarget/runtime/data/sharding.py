@@ -2,7 +2,7 @@
 
 Everything here is a pure function of (the epoch's batches, world size, options), so every rank
 computes the same plan independently, and the plan can be tested for any world size in one
-process. `data.py` runs the plan.
+process. `sharded_loader.py` runs the plan.
 
 A *round* is one global batch: what all ranks together consume in one step. `deal_rounds` cuts
 an epoch into rounds and gives each rank its part:
