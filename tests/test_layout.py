@@ -9,7 +9,10 @@ a function's complexity is ruff's C901, a smell to look at rather than a line co
   GPU machine's one-process suite, leaves it out);
 - no private name (`_name`) of one retarget module is imported by another;
 - values kept in a module's `__dict__` go through the declared slots (core/slots.py);
-- every file docs/architecture.md points to exists.
+- no pass reads `program.target`: what a pass needs of the target is in its options, set by its
+  `stage(target)`;
+- every file docs/architecture.md points to exists, and every source file or document named
+  anywhere in retarget/ (docstrings, comments, messages).
 """
 
 from __future__ import annotations
@@ -123,6 +126,46 @@ def test_files_named_in_the_architecture_doc_exist():
     assert named, "the doc names no files"
     missing = sorted(
         name for name in named if not (PACKAGE / name).exists() and not (ROOT / name).exists()
+    )
+    assert missing == []
+
+
+def test_no_pass_reads_the_target_from_the_program():
+    passes = PACKAGE / "passes"
+    readers = [
+        _relative(p) for p in sorted(passes.rglob("*.py")) if "program.target" in p.read_text()
+    ]
+    assert readers == []
+
+
+#: A path-like name of a source file or document: `a/b/c.py`, `c.py`, `README.md`.
+_NAMED_FILE = re.compile(r"(?<![\w./*-])((?:[\w.-]+/)*[\w-]+\.(?:py|md))\b")
+#: The user's own script, as the launch commands' examples and messages call it.
+_USERS_FILES = {"train.py", "script.py"}
+
+
+def _exists_in_repository(name: str, near: Path) -> bool:
+    """`name` is a file beside `near`, under the repository or retarget/, or the end of the path
+    of one (`memory/profile.py` written inside passes/ names passes/memory/profile.py)."""
+    if any(p.is_file() for p in (near.parent / name, ROOT / name, PACKAGE / name)):
+        return True
+    return any(p.as_posix().endswith("/" + name) for p in _REPOSITORY_FILES)
+
+
+_REPOSITORY_FILES = [
+    p
+    for top in ("retarget", "tests", "bench", "docs", "examples")
+    for p in (ROOT / top).rglob("*")
+    if p.suffix in (".py", ".md") and "__pycache__" not in p.parts
+] + sorted(ROOT.glob("*.md"))
+
+
+def test_files_named_in_the_package_exist():
+    missing = sorted(
+        f"{_relative(source)}: {name}"
+        for source in SOURCES
+        for name in set(_NAMED_FILE.findall(source.read_text()))
+        if name not in _USERS_FILES and not _exists_in_repository(name, source)
     )
     assert missing == []
 

@@ -90,6 +90,19 @@ def compile_for(
         print_after=print_after,
         stream=stream,
     )
+    program = new_program(model, target, example_inputs, capture, world_size)
+    root = program.module
+    with users_hooks_set_aside(model, root):  # compile_for's probes are not the user's calls
+        manager.run(program)  # the whole pipeline: analyses, rewrites and plans, appliers
+    warn_eager_regions(program)
+    note_lonely_processes(program)
+    return root
+
+
+def new_program(
+    model: nn.Module, target: Target, example_inputs: Any, capture: str, world_size: int | None
+) -> Program:
+    """The Program of a structural copy of `model` (a CompiledModule), before any pass."""
     example = ExampleInputs.of(example_inputs)
     check_example_call(model, example)
     root = with_mixin(structural_copy(model), CompiledModule)
@@ -102,11 +115,7 @@ def compile_for(
         world=World.resolve(world_size),
     )
     PROGRAM.set(root, program)
-    with users_hooks_set_aside(model, root):  # compile_for's probes are not the user's calls
-        manager.run(program)  # the whole pipeline: analyses, rewrites and plans, appliers
-    warn_eager_regions(program)
-    note_lonely_processes(program)
-    return root
+    return program
 
 
 def _rank() -> int | None:

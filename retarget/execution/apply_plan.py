@@ -2,7 +2,9 @@
 
 The apply_plan stage (passes/apply/apply_plan.py) calls `apply_plan(program)` after every pass. With
 a `DdpPlan` or an `FsdpPlan` on `program.plan` it takes this process's `ProcessState` (initialising
-the process group from torchrun's environment), and:
+the process group from torchrun's environment), takes the program's `ParallelDims` (the degrees
+the planners read) and every mesh and process group from its `Meshes` (core/parallel_dims.py,
+the only maker of them), and:
 
 - world of one: applies nothing and says so in the plan (`plan.applied`) and the report;
 - DDP: torch's DistributedDataParallel wraps a small module that owns the compiled model and
@@ -46,6 +48,7 @@ from torch import nn
 
 from retarget.core.capturing import capturing
 from retarget.core.modules import release_replaced
+from retarget.core.parallel_dims import Meshes, ParallelDims
 from retarget.core.plans import AppliedPlan, FsdpPlan
 from retarget.core.slots import APPLIED, OUTER_FORWARD
 from retarget.execution.context.apply import apply_context, refuse_unlaunched
@@ -58,14 +61,17 @@ from retarget.ir.program import Program
 
 @dataclass
 class Applied:
-    """What apply_plan did to a compiled model: kind "ddp" or "fsdp" and the objects it made."""
+    """What apply_plan did to a compiled model: kind "ddp", "fsdp", "tp" or "pp", the meshes it
+    took (core.parallel_dims) and the objects it made."""
 
     kind: str
     state: ProcessState
+    meshes: Meshes
     ddp: Any = None
     hook_state: Any = None
     fsdp_modules: list[nn.Module] = field(default_factory=list)
     mesh: Any = None
+    """The mesh the report shows: fully_shard's under fsdp alone, the whole mesh under tp or pp."""
     tp_modules: list[str] = field(default_factory=list)
     """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
     context_mesh: Any = None
@@ -73,27 +79,21 @@ class Applied:
     pipeline: Any = None
     """Under pp (kind "pp"): the PipelineRun (this rank's stage and the schedule)."""
 
+    @property
+    def dims(self) -> ParallelDims:
+        return self.meshes.dims
+
     def data_state(self) -> ProcessState:
-        """This process as data parallelism sees it: under tp, rank, world and process group
-        of the dp ranks only (the ranks of a tp group share a batch: loaders divide and
-        gather_for_metrics gathers over dp), and likewise under cp; otherwise the process
-        itself."""
-        if self.pipeline is not None and self.mesh is None:  # pp alone: one batch for all
-            return dataclasses.replace(self.state, rank=0, world_size=1)
-        if self.context_mesh is not None:
-            dp = self.context_mesh["dp"]
-            return dataclasses.replace(
-                self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
-            )
-        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
-        if "tp" not in names and "pp" not in names:
+        """This process as data parallelism sees it: under tp, pp or cp, rank, world and
+        process group of the dp ranks only (the ranks of a tp, pp or cp group share a batch:
+        loaders divide and gather_for_metrics gathers over dp); otherwise the process itself."""
+        data = self.meshes.data()
+        if data is None:
             return self.state
-        if "dp" not in names:
+        rank, size, group = data
+        if group is None:
             return dataclasses.replace(self.state, rank=0, world_size=1)
-        dp = self.mesh["dp"]
-        return dataclasses.replace(
-            self.state, rank=dp.get_local_rank(), world_size=dp.size(), group=dp.get_group()
-        )
+        return dataclasses.replace(self.state, rank=rank, world_size=size, group=group)
 
     @property
     def fsdp_root(self) -> nn.Module | None:
@@ -144,18 +144,25 @@ def _apply(program: Program) -> None:
     module = program.module
     if state.device.type != "cpu":
         module.to(state.device)
-    if plan.pp is not None:
-        applied = _apply_pp(program, state)
-    elif plan.tp is not None:
-        applied = _apply_tp(program, state)
-    elif plan.ddp is not None:
-        applied = _apply_ddp(program, state)
-    else:
-        applied = _apply_fsdp(program, plan.fsdp, state)
-    if plan.cp is not None:
-        applied.context_mesh = apply_context(
-            module, plan.cp.layout_key, plan.cp.size, state.device.type, state.world_size
+    dims = program.parallel_dims()
+    unplanned = dims.unplanned(plan)
+    if unplanned:
+        raise ValueError(
+            f"'{program.target}' lays out a mesh with {', '.join(unplanned)} dimension(s) but "
+            "their planning pass made no record (disabled?): enable it, or drop the part from "
+            "the target"
         )
+    meshes = Meshes(dims, state.device.type)
+    if plan.pp is not None:
+        applied = _apply_pp(program, state, meshes)
+    elif plan.tp is not None:
+        applied = _apply_tp(program, state, meshes)
+    elif plan.ddp is not None:
+        applied = _apply_ddp(program, state, meshes)
+    else:
+        applied = _apply_fsdp(program, plan.fsdp, state, meshes)
+    if plan.cp is not None:
+        applied.context_mesh = apply_context(module, plan.cp.layout_key, meshes)
     APPLIED.set(module, applied)
     plan.applied = AppliedPlan(
         applied=True,
@@ -177,13 +184,12 @@ def _wrapper_of(applied: Applied) -> str:
     if applied.kind == "pp":
         run = applied.pipeline
         text = f"pipeline stage {run.rank} of {run.plan.size} ({run.plan.schedule})"
-        names = applied.mesh.mesh_dim_names if applied.mesh is not None else ()
-        if "dp" in names:
+        if applied.meshes.has("dp"):
             text += " + fully_shard per stage"
-        if "tp" in names:
+        if applied.meshes.has("tp"):
             text += " + tp over each stage's blocks"
-        if names:
-            text += f" (mesh {' x '.join(names)} {tuple(applied.mesh.shape)})"
+        if applied.mesh is not None:
+            text += f" ({applied.dims.describe()})"
         return text
     if applied.kind == "tp":
         mesh = tuple(applied.mesh.shape)
@@ -209,7 +215,7 @@ class DdpModule(nn.Module):
         return own_forward(self.compiled, *args, **kwargs)
 
 
-def _apply_ddp(program: Program, state: ProcessState) -> Applied:
+def _apply_ddp(program: Program, state: ProcessState, meshes: Meshes) -> Applied:
     from torch.nn.parallel import DistributedDataParallel
 
     from retarget.execution.comm_hooks import build_hook
@@ -219,7 +225,7 @@ def _apply_ddp(program: Program, state: ProcessState) -> Applied:
     ddp = DistributedDataParallel(
         DdpModule(module), device_ids=device_ids, **program.plan.ddp.options
     )
-    applied = Applied("ddp", state, ddp=ddp)
+    applied = Applied("ddp", state, meshes, ddp=ddp)
     hook_plan = program.plan.comm_hook
     if hook_plan is not None:
         applied.hook_state, hook = build_hook(hook_plan)
@@ -241,52 +247,35 @@ def _through_ddp(ddp: nn.Module, compiled: nn.Module, *args: Any, **kwargs: Any)
 # -- pipeline parallel -----------------------------------------------------------------------
 
 
-def _apply_pp(program: Program, state: ProcessState) -> Applied:
+def _apply_pp(program: Program, state: ProcessState, meshes: Meshes) -> Applied:
     """This rank's pipeline stages (execution.pipeline_stages); under fsdp+pp on a (pp, dp)
     mesh, each stage module sharded with fully_shard over "dp"; under tp+pp a "tp" dimension
     last ((pp, tp), or (pp, dp, tp) for fsdp+tp+pp: torchtitan's order), each stage's blocks
     split over it."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from retarget.execution.pipeline_stages import apply_pipeline
 
     example = program.example
     ids = example.kwargs.get("input_ids", example.args[0] if example.args else None)
     broadcast_module_states(program.module)  # every stage starts from rank 0's weights
     pp, fsdp, tp = program.plan.pp, program.plan.fsdp, program.plan.tp
-    shape, names = [pp.size], ["pp"]
-    if fsdp is not None:
-        shape.append(state.world_size // pp.size // (tp.size if tp is not None else 1))
-        names.append("dp")
-    if tp is not None:
-        shape.append(tp.size)
-        names.append("tp")
-    mesh, shard = None, None
-    if len(shape) > 1:
-        mesh = init_device_mesh(state.device.type, tuple(shape), mesh_dim_names=tuple(names))
-    if fsdp is not None:
-        shard = fully_shard_arguments(fsdp, mesh["dp"])
-    run = apply_pipeline(program.module, program.original, pp, ids, state, mesh, shard, tp)
-    return Applied("pp", state, pipeline=run, mesh=mesh)
+    shard = fully_shard_arguments(fsdp, meshes.fsdp()) if fsdp is not None else None
+    run = apply_pipeline(program.module, program.original, pp, ids, state, meshes, shard, tp)
+    mesh = meshes.mesh if len(meshes.dims.used) > 1 else None
+    return Applied("pp", state, meshes, pipeline=run, mesh=mesh)
 
 
 # -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------
 
 
-def _apply_tp(program: Program, state: ProcessState) -> Applied:
+def _apply_tp(program: Program, state: ProcessState, meshes: Meshes) -> Applied:
     """torch's parallel styles over the "tp" dim, then fully_shard over "dp" for fsdp+tp."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from retarget.execution.apply_tp import apply_tp
     from retarget.execution.tp_fsdp import shard_placement, sum_partial_gradients_over_tp
     from retarget.execution.tp_regions import recapture_split_regions
 
     tp = program.plan.tp
     fsdp = program.plan.fsdp
-    shape, names = (tp.size,), ("tp",)
-    if fsdp is not None:
-        shape, names = (state.world_size // tp.size, tp.size), ("dp", "tp")
-    mesh = init_device_mesh(state.device.type, shape, mesh_dim_names=names)
+    mesh = meshes.mesh
     if tp.async_tp:  # shard_tp admits it on CUDA, inductor and sequence parallelism only
         enable_async_tp(mesh["tp"])
     # Parameters tp leaves whole (norms, embeddings) must start equal on every rank, and
@@ -296,7 +285,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
         done = apply_tp(program.module, tp, mesh["tp"])
         recapture_split_regions(program, tp)
         release_replaced(program.original, program.module)
-        return Applied("tp", state, mesh=mesh, tp_modules=done)
+        return Applied("tp", state, meshes, mesh=mesh, tp_modules=done)
     # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
     # through Partial gradients (execution.tp_fsdp), not by apply_tp's hook on a parameter that
     # fully_shard replaces.
@@ -307,7 +296,7 @@ def _apply_tp(program: Program, state: ProcessState) -> Applied:
     for path in partial:
         sum_partial_gradients_over_tp(program.submodule(path), mesh["tp"])
     # tp's fused parts on dim 0 need a placement of their own (execution.tp_fsdp).
-    applied = _apply_fsdp(program, fsdp, state, mesh=mesh, placement=shard_placement(mesh))
+    applied = _apply_fsdp(program, fsdp, state, meshes, placement=shard_placement(meshes))
     applied.tp_modules = done
     return applied
 
@@ -326,25 +315,24 @@ def _apply_fsdp(
     program: Program,
     plan: FsdpPlan,
     state: ProcessState,
-    mesh: Any = None,
+    meshes: Meshes,
     placement: Callable[[nn.Parameter], Any] | None = None,
 ) -> Applied:
-    """fully_shard per unit; under tp `mesh` is the (dp, tp) mesh and `placement` fully_shard's
-    shard_placement_fn."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """fully_shard per unit over `meshes.fsdp()`: a 1-D mesh of the dp (or dp x cp) ranks, the
+    2-D (replicate, shard) one for hsdp, "dp" of the (dp, tp) mesh under tp, where `placement`
+    is fully_shard's shard_placement_fn."""
     from torch.distributed.fsdp import fully_shard
 
     full: dict[str, torch.Tensor] = {}
-    if mesh is None:
-        # A 1-D mesh shards over all ranks; a 2-D (replicate, shard) mesh makes it HSDP.
-        mesh = init_device_mesh(state.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dims)
+    under_tp = meshes.has("tp")
+    if not under_tp:  # under tp, _apply_tp broadcast every state before splitting
         if plan.load_from_rank0:  # rank 0's whole parameters, sent shard by shard below
             full = collect_full(program.module)
         elif plan.sync_module_states:
             broadcast_module_states(program.module)
-    shard_over = mesh["dp"] if "tp" in (mesh.mesh_dim_names or ()) else mesh
+    shard_over = meshes.fsdp()
     kwargs = fully_shard_arguments(plan, shard_over, placement)
-    applied = Applied("fsdp", state, mesh=mesh)
+    applied = Applied("fsdp", state, meshes, mesh=meshes.mesh if under_tp else shard_over)
     for unit in plan.units:
         module = program.submodule(unit.path) if unit.path else program.module
         with hooks_skip_captures(module):

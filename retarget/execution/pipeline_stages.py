@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from retarget.core.modules import release, release_replaced, released
+from retarget.core.parallel_dims import Meshes
 from retarget.core.plans import PpPlan, TpPlan
 from retarget.core.slots import OUTER_FORWARD
 from retarget.execution.pipeline_split import (
@@ -219,14 +220,14 @@ def apply_pipeline(
     plan: PpPlan,
     example_ids: Tensor,
     state: Any,
-    mesh: Any = None,
+    meshes: Meshes,
     shard: dict[str, Any] | None = None,
     tp: TpPlan | None = None,
 ) -> PipelineRun:
     """Trace and split `original`, build this rank's stages and schedule; wrap `module`'s
-    calls. Under fsdp+pp `mesh` is the (pp, dp) mesh and `shard` fully_shard's arguments for
-    each of this rank's stage modules; under tp+pp (fsdp+tp+pp) the mesh has a "tp" dimension
-    last and each stage's blocks compute on DTensors over it (pipeline_tp.py)."""
+    calls. `meshes` has a "pp" dimension; under fsdp+pp a "dp" one too, and `shard` is
+    fully_shard's arguments for each of this rank's stage modules; under tp+pp (fsdp+tp+pp) a
+    "tp" dimension last, and each stage's blocks compute on DTensors over it (pipeline_tp.py)."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -236,10 +237,7 @@ def apply_pipeline(
         pipeline,
     )
 
-    if mesh is None:
-        group, rank = dist.group.WORLD, state.rank
-    else:
-        group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    group, rank = meshes["pp"].get_group(), meshes["pp"].get_local_rank()
     traced = pipeline(
         _Logits(original),
         (example_ids[: plan.microbatch_rows],),
@@ -254,10 +252,12 @@ def apply_pipeline(
         blocks = list(dict.fromkeys(b for stage in plan.stages for b in stage.blocks))
         for index in mine:
             stage_module = traced.get_stage_module(index)
-            split_stage_blocks(stage_module, blocks, TRACED_PREFIX, tp, original, mesh["tp"], split)
+            split_stage_blocks(
+                stage_module, blocks, TRACED_PREFIX, tp, original, meshes["tp"], split
+            )
         swap_parameters(module, split)
         used = [{k: split.get(id(p), p) for k, p in stage.items()} for stage in used]
-    tied = _tied_weights(used, ranks, mesh)
+    tied = _tied_weights(used, ranks, meshes)
     stage_modules = [traced.get_stage_module(index) for index in mine]
     for stage_module in stage_modules:  # bf16 / ac inside the stage (stage_forward.py)
         run_generated_code(stage_module)  # every graph edit is made
@@ -348,14 +348,10 @@ def local_pointer(tensor: Tensor) -> int:
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).data_ptr()
 
 
-def _tied_weights(
-    used: list[dict[int, Any]], ranks: list[int], mesh: Any = None
-) -> list[TiedWeight]:
-    """The weights used by stages on more than one rank (`ranks[i]`: stage i's), each with a
-    process group of those ranks (made on every rank, in the same order: new_group is
-    collective). Under fsdp+pp, tp+pp and fsdp+tp+pp (`mesh` (pp, dp), (pp, tp) or (pp, dp,
-    tp)) one group per position in the other dimensions, of the ranks at that position; this
-    rank keeps its own."""
+def _tied_weights(used: list[dict[int, Any]], ranks: list[int], meshes: Meshes) -> list[TiedWeight]:
+    """The weights used by stages on more than one rank (`ranks[i]`: stage i's pp rank), each
+    with the process group of those ranks at this rank's position in the other dimensions
+    (dp, tp: `Meshes.holders_group`, made on every rank in the same order)."""
     users: dict[int, list[int]] = {}
     params: dict[int, Any] = {}
     for stage, mine in enumerate(used):
@@ -367,16 +363,7 @@ def _tied_weights(
     for key, holders in users.items():
         if len(holders) > 1:
             holders.sort()
-            if mesh is None:
-                group = dist.new_group(holders)
-            else:
-                # global ranks, [pp][the other dims flattened: dp, tp]
-                grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()
-                groups = [
-                    dist.new_group([grid[h][d] for h in holders]) for d in range(len(grid[0]))
-                ]
-                me = dist.get_rank()
-                group = groups[next(row.index(me) for row in grid if me in row)]
+            group = meshes.holders_group(tuple(holders))
             tied.append(TiedWeight(params[key], tuple(holders), group))
     return tied
 

@@ -32,14 +32,17 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, Shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from retarget.core.parallel_dims import Meshes
+
 # Names of the (dp, 1) mesh the parameters replicated over dp are placed on.
 COPIES, WHOLE = "dp_copies", "dp_whole"
 
 
-def shard_placement(mesh: Any) -> Callable[[nn.Parameter], Any]:
-    """`fully_shard`'s shard_placement_fn for the (dp, tp) `mesh`: None (FSDP2's Shard(0)) for
-    every parameter but those tp split as fused parts on dim 0 (module docstring)."""
-    dp = mesh["dp"]
+def shard_placement(meshes: Meshes) -> Callable[[nn.Parameter], Any]:
+    """`fully_shard`'s shard_placement_fn over the (dp, tp) mesh of `meshes`: None (FSDP2's
+    Shard(0)) for every parameter but those tp split as fused parts on dim 0 (module
+    docstring)."""
+    dp = meshes["dp"]
     replicated: list[HSDPMeshInfo] = []
 
     def placement(param: nn.Parameter) -> Any:
@@ -51,7 +54,7 @@ def shard_placement(mesh: Any) -> Callable[[nn.Parameter], Any]:
                 return Shard(dim)
         if not replicated:
             # One mesh info for every such parameter: FSDP2 groups parameters by it.
-            copies = dp._unflatten(0, (dp.size(), 1), (COPIES, WHOLE))
+            copies = meshes.split("dp", (dp.size(), 1), (COPIES, WHOLE))
             replicated.append(HSDPMeshInfo(mesh=copies, shard_mesh_dim=1, replicate_mesh_dim=0))
         return ShardPlacementResult(placement=Shard(0), mesh_info=replicated[0])
 

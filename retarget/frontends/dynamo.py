@@ -8,6 +8,9 @@ A block FSDP2 shards (captured at step time, a new signature or a block split by
 `_is_fsdp_managed_module`, which makes dynamo lift its parameters as graph inputs, and export
 refuses inputs the call did not pass. The graph reads parameters from the live module at every
 call anyway (FSDP2's unsharded ones while the block runs), so the mark is lowered while tracing.
+
+dynamo records each node's traced value as `meta["example_value"]`; it is copied to
+`meta["val"]`, where torch.export writes it, so the rules read one key.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> CapturedG
     with _unmanaged(module):
         gm, _guards = torch._dynamo.export(module)(*args, **kwargs)
     gm.meta["frontend"] = "dynamo"
+    for node in gm.graph.nodes:  # the one key every rule reads (ir/nodes.py), as export writes
+        if "example_value" in node.meta and "val" not in node.meta:
+            node.meta["val"] = node.meta["example_value"]
     return CapturedGraph("dynamo", gm)
 
 

@@ -6,6 +6,8 @@ tree       networkx DiGraph of the module hierarchy (find_blocks)
 blocks     repeated block groups found by structural hashing (find_blocks)
 regions    capture units with their graphs (capture_regions)
 world      the processes the plan is made for, resolved once by compile_for (core.world)
+dims       every parallel degree, resolved from the target and the world on first use
+           (`parallel_dims()`, core.parallel_dims)
 analysis   typed facts the analyses found (`Analysis`: shapes, FLOPs, fp8 decisions, ...)
 plan       typed records of decisions that need a process group (`core.plans.Plan`); passes
            write them, the runtime applies them
@@ -21,6 +23,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from retarget.core.parallel_dims import ParallelDims
 from retarget.core.plans import Plan
 from retarget.core.world import World
 from retarget.ir.region import Region
@@ -119,6 +122,8 @@ class Program:
     """The capture units and their graphs (capture_regions)."""
     world: World = field(default_factory=World.resolve)
     """The processes the plan is made for, resolved once."""
+    dims: ParallelDims | None = None
+    """Every parallel degree (`parallel_dims()`); None until a pass first asks."""
     analysis: Analysis = field(default_factory=Analysis)
     """Shapes and FLOPs, fp8 decisions, the activation profile, the checkpoint plan."""
     plan: Plan = field(default_factory=Plan)
@@ -126,6 +131,13 @@ class Program:
     history: list[PassRecord] = field(default_factory=list)
     """One record per pass run: seconds, changed, stats, notes, the graphs after it."""
     notes: list[str] = field(default_factory=list)
+
+    def parallel_dims(self) -> ParallelDims:
+        """The degrees of the target in this world, resolved and checked once, on first use
+        (inside the first pass that asks, so a refusal is that pass's)."""
+        if self.dims is None:
+            self.dims = ParallelDims.resolve(self.target, self.world)
+        return self.dims
 
     def submodule(self, path: str) -> nn.Module:
         return self.module.get_submodule(path)

@@ -238,6 +238,10 @@ class Region:
         return list({id(g): g for g in self.graphs.values()}.values())
 
     # -- rewriting ------------------------------------------------------------------------
+    def rewritten_by(self, pass_name: str) -> bool:
+        """Whether `pass_name` added a rewrite to this region (add_transform)."""
+        return any(name == pass_name for name, _ in self.transforms)
+
     def add_transform(
         self, pass_name: str, transform: GraphTransform, eager_form: EagerForm | None = None
     ) -> int:

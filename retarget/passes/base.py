@@ -15,7 +15,7 @@ An applier (`applies = True`, passes/apply/) decides nothing: it carries out wha
 recorded, through the execution layer, as one of the pipeline's last stages. A pass that works
 on modules and records only (`reads_graphs = False`) lets a pipeline of such passes skip capture.
 
-`stage(target, capture)` builds the passes a target asks for; `run(program)` returns a
+`stage(target)` builds the passes a target asks for; `run(program)` returns a
 `PassResult`; a pass with nothing to do returns `changed=False` and touches nothing. Unsupported
 patterns raise NotImplementedError naming the pass and the module path or node; the PassManager
 wraps every failure in a PassError that also names the passes that ran before.
@@ -108,7 +108,7 @@ class Pass:
             raise TypeError(f"pass '{self.name}' takes {self.Options.__name__}, got {options!r}")
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The passes of this class that realise `target`, options set; [] when it asks for none.
 
         `capture` is compile_for's CaptureOptions (capture mode, frontends); only

@@ -2,8 +2,9 @@
 
 This list IS the order, and the whole pipeline: the analyses, the rewrites and plans, then the
 appliers that carry the plans out (passes/apply/); compile_for runs nothing else. Every stage is a
-pass class whose `stage(target, capture)` builds the passes that realise the target parts the line
-names ([] when the target has none of them). The PassManager runs them exactly as listed and refuses
+pass class whose `stage(target)` builds the passes that realise the target parts the line
+names ([] when the target has none of them); compile_for's capture options go to capture_regions
+alone. The PassManager runs them exactly as listed and refuses
 (check_order) a list that breaks a pass's declared `requires` or `after`, so each reason below is
 also a declaration it enforces. A target part that no stage realises is refused
 (TargetNotSupportedError), never silently ignored.
@@ -125,8 +126,12 @@ def build_pipeline(
     part = target.get("compile")
     if part is not None and part.get("scope") == "whole" and capture in ("auto", "regions"):
         capture = "whole"  # compile[scope=whole] compiles the model as one captured graph
-    options = CaptureOptions(mode=capture, **({"frontends": frontends} if frontends else {}))
-    return [p for _, pass_class in STAGES for p in pass_class.stage(target, options)]
+    options = CaptureOptions(
+        mode=capture, target=str(target), **({"frontends": frontends} if frontends else {})
+    )
+    passes = [p for _, pass_class in STAGES for p in pass_class.stage(target)]
+    # compile_for's capture options reach capture_regions only
+    return [CaptureRegions(options) if isinstance(p, CaptureRegions) else p for p in passes]
 
 
 def place_extra(passes: list[Pass], extra: list[Pass]) -> list[Pass]:

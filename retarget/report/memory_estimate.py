@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.core.parallel_dims import ParallelDims
 from retarget.core.world import World
 from retarget.execution.module_call import own_forward
 from retarget.passes.memory.activation_profile import GLUE, ActivationProfile, profile_activations
@@ -210,18 +211,13 @@ def estimate_memory(
 
 
 def _shards(target: Target, world: World) -> tuple[int, list[str]]:
-    """Processes one parameter is sharded over; hsdp: the plan's own mesh (World.hsdp_mesh)."""
+    """Processes one parameter is sharded over: FSDP2's dp x cp ranks (core.parallel_dims),
+    1 for a strategy that does not shard; hsdp's shard group, with a note of its replicas."""
+    dims = ParallelDims.resolve(target, world)
     if target.strategy == "hsdp":
-        part = target.get("hsdp")
-        replicate, shard = world.hsdp_mesh(part.get("replicate"), part.get("shard"))
-        return shard, [f"hsdp: {replicate} replica group(s) of {shard} processes"]
-    # fsdp+tp / fsdp+pp: FSDP shards over the dp ranks, world / (tp size x pp size).
-    split = 1
-    for name in ("tp", "pp"):
-        if name in target:
-            split *= max(target.get(name).get("size") or world.size, 1)
-    dp = world.size // split
-    return (max(dp, 1) if any(STRATEGY[target.strategy].shards) else 1), []
+        notes = [f"hsdp: {dims.dp_replicate} replica group(s) of {dims.dp_shard} processes"]
+        return dims.dp_shard, notes
+    return (dims.dp_shard * dims.cp if any(STRATEGY[target.strategy].shards) else 1), []
 
 
 def _unique_parameters(module: nn.Module) -> list[torch.Tensor]:

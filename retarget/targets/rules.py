@@ -32,8 +32,9 @@ _TP_CONFLICTS = {
     f"tp group and DDP does not take DTensors; {_TP_COMPOSES}",
     "zero1": "'zero1' and 'tp' do not combine: zero1 is DDP plus optimizer-state sharding, and "
     f"DDP does not take tp's DTensor parameters; {_TP_COMPOSES}",
-    "hsdp": "'hsdp' and 'tp' do not combine: that needs a 3-D (replicate, shard, tp) mesh, "
-    f"which is not implemented; {_TP_COMPOSES}",
+    "hsdp": "'hsdp' and 'tp' do not combine yet: the (replicate, shard, tp) mesh is laid out "
+    "(core/parallel_dims.py), but FSDP2's HSDP over tp's DTensors (the fused-part placements of "
+    f"execution/tp_fsdp.py on a 2-D dp mesh) is neither written nor tested; {_TP_COMPOSES}",
     "xla": "'xla' and 'tp' do not combine: XLA shards with its own SPMD partitioner; "
     + _TP_COMPOSES,
     "fp8": "'fp8' and 'tp' do not combine: torch's parallel styles split nn.Linear and the FP8 "
@@ -51,9 +52,11 @@ _CP_COMPOSES = (
 #: The parts cp does not combine with yet, and why.
 _CP_CONFLICTS = {
     "single": f"'single' and 'cp' do not combine: 'single' runs one process; {_CP_COMPOSES}",
-    "tp": "'tp' and 'cp' do not combine yet (a (dp, cp, tp) mesh is not implemented); "
-    + _CP_COMPOSES,
-    "hsdp": f"'hsdp' and 'cp' do not combine yet (a 3-D mesh is not implemented); {_CP_COMPOSES}",
+    "tp": "'tp' and 'cp' do not combine yet: the (dp, cp, tp) mesh is laid out "
+    "(core/parallel_dims.py), but the split attention has not been run on tp's split heads, "
+    "nor the sequence split on tp's DTensor inputs; " + _CP_COMPOSES,
+    "hsdp": "'hsdp' and 'cp' do not combine yet: the (replicate, shard, cp) mesh is laid out, "
+    f"but FSDP2's HSDP over dp x cp is not wired in; {_CP_COMPOSES}",
     "zero1": f"'zero1' and 'cp' do not combine yet; {_CP_COMPOSES}",
     "xla": f"'xla' and 'cp' do not combine: XLA partitions the program itself; {_CP_COMPOSES}",
     "fp8": f"'fp8' and 'cp' do not combine yet (not tested together); {_CP_COMPOSES}",

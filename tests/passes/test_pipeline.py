@@ -122,12 +122,12 @@ def test_every_stage_is_built_by_its_pass_class_and_parts_it_names():
         for part in parts:
             if part == "xla" and not xla.available() and pass_class.name == "place_xla":
                 with pytest.raises(TargetNotSupportedError, match="constraints-xla.txt"):
-                    pass_class.stage(parse_target(part), None)
+                    pass_class.stage(parse_target(part))
                 continue
-            built = pass_class.stage(parse_target(_alone(part)), None)
+            built = pass_class.stage(parse_target(_alone(part)))
             assert built and all(isinstance(p, pass_class) for p in built), part
         if parts:
-            assert pass_class.stage(parse_target("single"), None) == [], pass_class.name
+            assert pass_class.stage(parse_target("single")) == [], pass_class.name
 
 
 def test_single_is_only_the_analyses():

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from retarget.frontends.check import preserved_state
+from retarget.ir.nodes import traced_value
 from retarget.ir.program import Program, describe_tensor
 from retarget.ir.region import call_key
 from retarget.passes.base import Pass, PassResult
@@ -68,7 +69,7 @@ class AnnotateShapes(Pass):
     provides = ("shapes",)
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """Every target: the report and later decisions read the shapes and FLOPs."""
         return [cls()]
 
@@ -288,7 +289,7 @@ def _annotate_graphs(region) -> int:
     annotated = 0
     for graph in region.graphs.values():
         for node in graph.gm.graph.nodes:
-            value = node.meta.get("val", node.meta.get("example_value"))
+            value = traced_value(node)
             if isinstance(value, torch.Tensor):
                 node.meta["shape"] = tuple(value.shape)
                 node.meta["dtype"] = value.dtype

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 import networkx as nx
 from torch import nn
@@ -47,7 +46,7 @@ class FindBlocks(Pass):
     Options = FindBlocksOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """Every target: the tree and the repeated blocks decide what becomes a region."""
         return [cls()]
 

@@ -26,8 +26,6 @@ form, warned by compile_for. Under capture="auto" a split region whose graphs no
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from retarget.core.errors import TargetNotSupportedError
@@ -53,7 +51,7 @@ class ApplyPlan(Pass):
     applies = True
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """This stage when the target has a part it carries out; [] otherwise."""
         return [cls()] if APPLIED_PARTS & set(target.names) else []
 
@@ -83,7 +81,8 @@ def capture_split_regions(program: Program) -> None:
         region.captured_by_compile_for()
     with preserved_state(program.module), torch.enable_grad():
         program.module(*example.args, **example.kwargs)
-    if "compile" not in program.target or program.plan.tp.sequence_parallel:
+    compiled = any(region.runner is not None for region in split)  # compile_regions ran
+    if not compiled or program.plan.tp.sequence_parallel:
         return  # under sequence parallelism compile compiles the eager form (apply_tp)
     for region in split:
         if region.eager_only:

@@ -11,8 +11,6 @@ and attaches the hooks that bring each offloaded block's weights in just before 
 
 from __future__ import annotations
 
-from typing import Any
-
 from retarget.execution.stream import stream_weights
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
@@ -27,7 +25,7 @@ class ApplyStream(Pass):
     applies = True
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """This stage when the target names `stream`."""
         return [cls()] if "stream" in target else []
 

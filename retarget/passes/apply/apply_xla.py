@@ -10,8 +10,6 @@ annotates each sharded parameter with its spec and installs the step boundary at
 
 from __future__ import annotations
 
-from typing import Any
-
 from retarget.execution.xla_placement import apply_xla
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
@@ -26,7 +24,7 @@ class ApplyXla(Pass):
     applies = True
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """This stage when the target names `xla`."""
         return [cls()] if "xla" in target else []
 

@@ -53,6 +53,8 @@ class CaptureOptions:
     """auto, settled by the pipeline (`settle_capture`): no pass reads a graph, capture none."""
     frontends: tuple[str, ...] = tuple(FRONTENDS)
     """Frontends to try, in order; the rest of the order list is skipped."""
+    target: str = ""
+    """The target, as the reason of a region nothing captures names it."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -77,12 +79,14 @@ class CaptureRegions(Pass):
     Options = CaptureOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
-        """Every target, with compile_for's capture mode and frontends (`capture`)."""
-        return [cls(capture)]
+    def stage(cls, target: Target) -> list[Pass]:
+        """Every target; build_pipeline gives it compile_for's capture mode and frontends."""
+        return [cls(CaptureOptions(target=str(target)))]
 
     def run(self, program: Program) -> PassResult:
         mode = self.options.mode
+        if program.regions:  # a second run: the regions are installed and hold their graphs
+            return PassResult(changed=False, notes=("regions already captured",))
         if mode == "eager":
             return PassResult(changed=False, notes=("capture='eager': every module runs eagerly",))
         notes: list[str] = []
@@ -103,7 +107,7 @@ class CaptureRegions(Pass):
         self._install(program, regions)
         if self.options.deferred:
             for region in regions:
-                region.defer(DEFERRED_REASON.format(target=program.target))
+                region.defer(DEFERRED_REASON.format(target=self.options.target))
             notes.append(
                 "capture='auto': no pass of this target reads or rewrites a graph, so nothing "
                 "is captured; every repeat runs its own forward (capture='regions' captures)"

@@ -69,7 +69,7 @@ class InstallCommHook(Pass):
     Options = CommHookOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's comm-hook stage: this pass when the target names a hook."""
         part = next((target.get(n) for n in HOOK_PARTS if n in target), None)
         if part is None:
@@ -78,5 +78,7 @@ class InstallCommHook(Pass):
         return [cls(CommHookOptions(part=part.name, powersgd=powersgd))]
 
     def run(self, program: Program) -> PassResult:
+        before = program.plan.comm_hook
         plan = program.plan.comm_hook = self.options.plan()
-        return PassResult(changed=True, stats={"hook": plan.part}, notes=(plan.describe(),))
+        stats, notes = {"hook": plan.part}, (plan.describe(),)
+        return PassResult(changed=plan != before, stats=stats, notes=notes)

@@ -2,7 +2,7 @@
 
 Contract: requires regions | provides compiled | after swap_fp8, quantize_linears, insert_autocast,
     checkpoint_blocks
-    | numerics approx(rtol=0.0001, atol=1e-05) | options CompileOptions
+    | numerics approx(rtol=0.0001, atol=1e-05) | options CompileRegionsOptions
 
 `compile[backend=inductor|aot_eager|eager|..., mode=..., dynamic=auto|true|false,
 fullgraph=true|false, scope=regions|whole]`.
@@ -41,6 +41,8 @@ whose parameters are not on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +60,15 @@ CUDA_GRAPH_MODES = ("reduce-overhead",)
 WHOLE = "whole"
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompileRegionsOptions(CompileOptions):
+    """torch.compile's options (the `compile` part) and what of the parts beside it the notes
+    say: tp splits the blocks after this pass, FSDP re-classes them."""
+
+    beside_tp: bool = False
+    beside_fsdp: bool = False
+
+
 class CompileRegions(Pass):
     name = "compile_regions"
     summary = "torch.compile each region's final graph once per block type; glue stays eager"
@@ -70,22 +81,29 @@ class CompileRegions(Pass):
     # ulp under bf16 with dropout (tests/passes/compile/test_compile_regions.py); inductor fuses
     # kernels and reorders floating point sums.
     numerics = Numerics("approx", rtol=1e-4, atol=1e-5)
-    Options = CompileOptions
+    Options = CompileRegionsOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pass for the target's `compile` part; [] without one, and under pp, whose stages
         (not the region graphs) run: split_stages has each stage's blocks compiled there."""
         part = target.get("compile")
         if part is None or "pp" in target:  # under pp split_stages compiles the stages' blocks
             return []
         keys = ("backend", "mode", "dynamic", "fullgraph", "scope")
-        options = CompileOptions(**{key: part.get(key) for key in keys})
+        options = CompileRegionsOptions(
+            **{key: part.get(key) for key in keys},
+            beside_tp="tp" in target,
+            beside_fsdp=STRATEGY[target.strategy].wrapper == "fsdp",
+        )
         return [cls(checked_options(options))]
 
     def run(self, program: Program) -> PassResult:
         options = self.options
         refuse_cuda_graphs_off_cuda(program, options)
+        compiled = [r.name for r in program.regions if r.runner is not None]
+        if compiled:  # a second run: each region has its compiler
+            return PassResult(changed=False, notes=(f"already compiled: {', '.join(compiled)}",))
         regions = self._regions(program)
         if not regions:
             raise ValueError(
@@ -98,12 +116,12 @@ class CompileRegions(Pass):
         notes = [f"{r.name}: {_how(r)}" for r in regions]
         if program.example is None:
             notes.append("no example_inputs: each region compiles at its first call")
-        elif "tp" in program.target and program.world.size > 1:
+        elif options.beside_tp and program.world.size > 1:
             notes.append(
                 "tp splits the blocks after this pass and they are captured again: each "
                 "region compiles its split graph at its first call"
             )
-        elif _resharded_later(program):
+        elif _resharded_later(program, options):
             notes.append(
                 "FSDP re-classes each block when it shards it (after this pass), and dynamo "
                 "guards on the class: each region compiles at its first call after sharding"
@@ -143,13 +161,7 @@ def checked_options(options: CompileOptions) -> CompileOptions:
             f"compile: mode={options.mode} is an inductor mode and backend={backend} takes "
             "none; drop mode or use backend=inductor"
         )
-    return CompileOptions(
-        backend=backend,
-        mode=options.mode,
-        dynamic=options.dynamic,
-        fullgraph=options.fullgraph,
-        scope=options.scope,
-    )
+    return dataclasses.replace(options, backend=backend)
 
 
 def refuse_cuda_graphs_off_cuda(program: Program, options: CompileOptions) -> None:
@@ -168,9 +180,9 @@ def _whole_capture_note(program: Program) -> str:
     return next((n for n in notes if "whole" in n), "it was captured as regions")
 
 
-def _resharded_later(program: Program) -> bool:
+def _resharded_later(program: Program, options: CompileRegionsOptions) -> bool:
     """Whether FSDP will shard the blocks: a compile made now would be redone (a guard miss)."""
-    return STRATEGY[program.target.strategy].wrapper == "fsdp" and program.world.size > 1
+    return options.beside_fsdp and program.world.size > 1
 
 
 def _compile_now(program: Program) -> None:

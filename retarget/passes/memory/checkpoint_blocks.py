@@ -35,7 +35,7 @@ Guards:
   block runs eagerly; the notes name them.
 - A lazily captured signature is captured before the checkpoint starts, not inside it.
 
-With example inputs, one profiled forward (memory/profile.py) predicts the activations kept
+With example inputs, one profiled forward (activation_profile.py) predicts the activations kept
 after forward with and without the plan and the FLOPs backward spends recomputing; they land in
 the notes, the stats and `program.analysis` (`.activation_profile`, `.checkpoint`).
 
@@ -97,7 +97,7 @@ class CheckpointBlocks(Pass):
     Options = CheckpointOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pass for the target's `ac` part; [] without one, and under pp, whose stages
         (not the region graphs) run: split_stages realises ac there."""
         part = target.get("ac")
@@ -110,6 +110,10 @@ class CheckpointBlocks(Pass):
         groups = _repeats(program)
         if not groups:
             return PassResult(changed=False, notes=(_NO_BLOCKS,))
+        done = program.analysis.checkpoint
+        if done is not None:  # a second run: its plan is in place (a profile now would be of it)
+            note = f"already planned: ac[policy={done['policy']}]"
+            return PassResult(changed=False, notes=(note,))
         _refuse_whole_graph(program)
         profile = None
         if program.example is not None:

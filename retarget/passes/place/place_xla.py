@@ -25,7 +25,6 @@ The captured regions run as they are: their graphs are plain aten ops, traced by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import XlaPlan
@@ -62,7 +61,7 @@ class PlaceXla(Pass):
     Options = XlaOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's xla stage: this pass when the target names `xla`."""
         part = target.get("xla")
         if part is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +63,7 @@ class PlanStream(Pass):
     Options = StreamOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's stream stage: this pass when the target names `stream`."""
         if "stream" not in target:
             return []
@@ -99,13 +98,15 @@ class PlanStream(Pass):
                 model, max_memory={str(main): budget}, mode="sequential"
             )
             entries = {k: (options.source if v == DISK else v) for k, v in planned.items()}
+        before = program.plan.stream
         program.plan.stream = plan = dataclasses.replace(
             plan,
             device_map=entries,
             main_device=str(main),
             blocks=tuple(sorted(no_split_paths(model, None))),
         )
-        return PassResult(changed=True, stats={"from": plan.source}, notes=(plan.describe(),))
+        notes = (plan.describe(),)
+        return PassResult(changed=plan != before, stats={"from": plan.source}, notes=notes)
 
 
 def _budget(model: nn.Module, max_memory: int | float | None, main: torch.device) -> int:

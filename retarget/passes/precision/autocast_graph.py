@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from retarget.core.modules import original_class
 from retarget.execution.autocast import LowPrecision, cast_weight_linear
+from retarget.ir.nodes import op_name, traced_value
 from retarget.passes.precision import autocast_rules as rules
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,14 +63,12 @@ def plan_graph(
     """Counts of what rewrite_graph would do, without changing `gm`."""
     modules = modules or _own_modules(gm)
     decisions = rules.classify(gm.graph, gm)
-    lowered = Counter(rules.op_name(n) for n, d in decisions.items() if _lowers(n, d))
+    lowered = Counter(op_name(n) for n, d in decisions.items() if _lowers(n, d))
     for node in (n for n, d in decisions.items() if d == rules.MODULE):
         plain = [m for m in modules(node.target) if rules.is_plain_leaf(m)]
         if plain:
             lowered[rules.LOWER_MODULES[original_class(plain[0])] + " (module)"] += 1
-    islands = Counter(
-        f"{d}:{rules.op_name(n)}" for n, d in decisions.items() if d in options.keep_fp32
-    )
+    islands = Counter(f"{d}:{op_name(n)}" for n, d in decisions.items() if d in options.keep_fp32)
     total = sum(lowered.values())
     return {"lowered": total, "lowered_ops": dict(lowered), "islands": dict(islands)}
 
@@ -109,7 +108,7 @@ def recast_weights_in_backward(graph: fx.Graph) -> int:
     backward) and casts again there; how many were rewritten."""
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or rules.op_name(node) != "linear" or node.kwargs:
+        if node.op != "call_function" or op_name(node) != "linear" or node.kwargs:
             continue
         x, weight, *rest = node.args
         cast = isinstance(weight, fx.Node) and weight.target is torch.ops.aten.to.dtype
@@ -154,13 +153,13 @@ class _GraphRewriter:
                     if rules.is_plain_leaf(module):
                         self.policy.install(module)
                 state = self._propagate(node)  # the leaf casts its outputs back
-            elif rules.op_name(node) == "_assert_tensor_metadata":
+            elif op_name(node) == "_assert_tensor_metadata":
                 if self.state.get(node.args[0], EAGER) != EAGER:
                     self.graph.erase_node(node)  # export's check of a dtype we changed
                 continue
             else:
                 state = self._propagate(node)
-                if state != EAGER and rules.op_name(node) in rules.SATURATES:
+                if state != EAGER and op_name(node) in rules.SATURATES:
                     self._saturate(node)
             self.state[node] = state
             node.meta["autocast"] = state
@@ -188,7 +187,7 @@ class _GraphRewriter:
     def _restore(self, value: fx.Node, user: fx.Node) -> fx.Node:
         if self.state.get(value, EAGER) == EAGER or not _may_be_float(value):
             return value
-        known = rules.value_of(value)
+        known = traced_value(value)
         eager = known.dtype if isinstance(known, torch.Tensor) else torch.float32
         return self._cast(value, eager, user)
 
@@ -197,7 +196,7 @@ class _GraphRewriter:
         key = (value, dtype)
         if key not in self.cache:
             # A value of unknown dtype (no traced value) may be an integer or bool tensor.
-            known = isinstance(rules.value_of(value), torch.Tensor)
+            known = isinstance(traced_value(value), torch.Tensor)
             cast_fn = torch.ops.aten.to.dtype if known else cast_floating
             with self.graph.inserting_before(user):
                 cast = self.graph.call_function(cast_fn, (value, dtype))
@@ -217,7 +216,7 @@ class _GraphRewriter:
             return EAGER
         if _is_inplace(node):
             return self.state.get(node.args[0], EAGER)
-        name = rules.op_name(node)
+        name = op_name(node)
         if name in rules.FOLLOWS and all(s == LOW for s in states):
             return LOW
         if name in rules.PROMOTES and _is_float32(node):
@@ -267,7 +266,7 @@ def _lowers(node: fx.Node, decision: str | None) -> bool:
     """A matmul-class op that eager runs in float32 (float64 stays, as under torch.autocast)."""
     if decision != rules.LOWER:
         return False
-    value = rules.value_of(node)
+    value = traced_value(node)
     leaves = [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
     return value is None or any(v.dtype == torch.float32 for v in leaves)
 
@@ -285,7 +284,7 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _is_float32(node: fx.Node, *, dimensioned: bool = False) -> bool:
-    value = rules.value_of(node)
+    value = traced_value(node)
     if not isinstance(value, torch.Tensor):
         return value is None and not dimensioned  # unknown: a float32 value, as traced
     return value.dtype == torch.float32 and (value.dim() > 0 or not dimensioned)
@@ -293,9 +292,9 @@ def _is_float32(node: fx.Node, *, dimensioned: bool = False) -> bool:
 
 def _may_be_float(node: fx.Node) -> bool:
     """False only when the traced value is known to hold no floating tensor."""
-    value = rules.value_of(node)
+    value = traced_value(node)
     if value is None:
-        return "val" not in node.meta and "example_value" not in node.meta
+        return "val" not in node.meta
     leaves = tree_flatten(value)[0]
     return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in leaves)
 
@@ -320,5 +319,5 @@ def _is_inplace(node: fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         first = target._schema.arguments[:1]
         return bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
-    name = rules.op_name(node) or ""
+    name = op_name(node) or ""
     return name.endswith("_") and not name.startswith("_")

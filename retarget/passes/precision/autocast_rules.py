@@ -1,6 +1,7 @@
 """The tables insert_autocast drives: which ops run in low precision, which stay float32.
 
-Every decision is data here, not an if-chain in the pass (STYLE.md point 3):
+Every decision is data here, not an if-chain in the pass (a table a reader can audit,
+and a test can walk, in one place):
 
 - `LOWER`: the matmul class (torch.autocast's `lower_precision_fp` list). Their floating inputs
   are cast to bf16/fp16 and their output stays in it.
@@ -20,7 +21,6 @@ function's `__name__` (`torch._C._nn.linear` -> "linear"), or a method name (`x.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import fx, nn
 
 from retarget.core.module_record import record_of
 from retarget.core.modules import base_class
+from retarget.ir.nodes import op_name, traced_value
 
 #: Island kinds, as `bf16[keep_fp32=...]` spells them.
 KINDS = ("softmax", "norm", "loss", "exp", "log", "pow", "reduce", "cumsum")
@@ -98,7 +99,7 @@ LARGE_REDUCTION = 1024
 
 def _reduces_many(node: fx.Node) -> bool:
     source = node.args[0] if node.args else None
-    before, after = value_of(source), value_of(node)
+    before, after = traced_value(source), traced_value(node)
     if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
         return True  # unknown size: treat as large, the safe side
     try:
@@ -155,29 +156,6 @@ LOWER_MODULES: dict[type[nn.Module], str] = {
     nn.ConvTranspose2d: "conv_transpose2d",
     nn.ConvTranspose3d: "conv_transpose3d",
 }
-
-_DUNDER = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__getitem__": "getitem"}
-
-
-def op_name(node: fx.Node) -> str | None:
-    """The table name of what `node` computes; None for placeholders, outputs and modules."""
-    if node.op == "call_function":
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            return target.overloadpacket.__name__
-        if target is operator.getitem:
-            return "getitem"
-        return getattr(target, "__name__", None)
-    if node.op == "call_method":
-        return _DUNDER.get(node.target, node.target)
-    return None
-
-
-def value_of(node: Any) -> Any:
-    """The traced example value of a node (export: meta['val'], dynamo: 'example_value')."""
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def classify(graph: fx.Graph, root: nn.Module) -> dict[fx.Node, str]:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from retarget.core.module_record import record_of
 from retarget.core.modules import original_class
 from retarget.core.plans import LossScalerPlan
 from retarget.execution.autocast import LowPrecision
@@ -133,7 +134,7 @@ class InsertAutocast(Pass):
     Options = AutocastOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pass for the target's bf16 or fp16 part; [] when it has neither.
 
         `bf16[downcast=true]` is XLA's XLA_DOWNCAST_BF16, which the target only admits beside
@@ -154,6 +155,10 @@ class InsertAutocast(Pass):
     def run(self, program: Program) -> PassResult:
         policy = LowPrecision(self.options.torch_dtype, self.options.autocast_eval)
         dtype = str(policy.dtype).removeprefix("torch.")
+        lowered = [r.name for r in program.regions if r.rewritten_by(self.name)]
+        lowered += [p for p, m in _glue_leaves(program).items() if record_of(m).autocast]
+        if lowered:  # a second run: the casts are in place
+            return PassResult(changed=False, notes=(f"already in {dtype}: {', '.join(lowered)}",))
         notes: list[str] = []
         per_region: dict[str, dict[str, Any]] = {}
         for region in program.regions:

@@ -91,6 +91,10 @@ class QuantizeOptions:
     """bf16 | fp16 when the target has one (the compute dtype of `compute=auto`)."""
     fsdp: bool = False
     """Whether FSDP2 shards the model (the storage dtype is then the one it gathers in)."""
+    strategy: str = "single"
+    """The target's strategy (what replicates or shards the quantized weights)."""
+    compiled: bool = False
+    """Whether the target compiles the blocks (torchao's nf4 breaks their graphs)."""
 
     def __post_init__(self) -> None:
         coerce_options(self, _SCHEMA, "quantize_linears")
@@ -101,7 +105,13 @@ class QuantizeOptions:
         values = part.as_dict() if part is not None else {}
         precision = next((p for p in ("bf16", "fp16") if p in target), None)
         fsdp = any(name in target for name in FSDP_STRATEGIES)
-        return cls(**values, precision=precision, fsdp=fsdp)
+        return cls(
+            **values,
+            precision=precision,
+            fsdp=fsdp,
+            strategy=target.strategy,
+            compiled="compile" in target,
+        )
 
     @property
     def format(self) -> str:
@@ -130,11 +140,13 @@ class QuantizeLinears(Pass):
     Options = QuantizeOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's quant stage: this pass when the target has a quant part."""
         return [cls(QuantizeOptions.from_target(target))] if "quant" in target else []
 
     def run(self, program: Program) -> PassResult:
+        if program.analysis.quant is not None:  # a second run: every Linear is decided
+            return PassResult(changed=False, notes=("already quantized",))
         options = self.options
         backend = "native" if options.backend == "auto" else options.backend
         if backend == "bnb":
@@ -205,7 +217,7 @@ class QuantizeLinears(Pass):
                 for name, n in calls.items()
             ),
         ]
-        if backend == "torchao" and options.format == "nf4" and "compile" in program.target:
+        if backend == "torchao" and options.format == "nf4" and options.compiled:
             message = (
                 "quant[backend=torchao,type=nf4] under compile: dynamo cannot trace torchao's "
                 "NF4 matmul, so each block's graph breaks at every quantized Linear (the "
@@ -251,7 +263,7 @@ def _check_torchao(options: QuantizeOptions, program: Program) -> int:
             f"{where}: torchao has no {options.format} weight-only format here; use type=nf4 "
             "or int8, or backend=native (which has fp4)"
         )
-    strategy = program.target.strategy
+    strategy = options.strategy
     sharded = strategy in TORCHAO_SHARDED
     if strategy != "single" and not (sharded and options.format == "nf4"):
         why = (
@@ -278,7 +290,7 @@ def _check_torchao(options: QuantizeOptions, program: Program) -> int:
 def _check_bnb(options: QuantizeOptions, program: Program) -> None:
     """Refuse what backend=bnb cannot do here, before anything is swapped."""
     where = f"quant[backend=bnb,type={options.format}]"
-    strategy = program.target.strategy
+    strategy = options.strategy
     if strategy != "single":
         raise TargetNotSupportedError(
             f"{where} with {strategy}: sharding or replicating bitsandbytes' quantized weights "

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.graph_module import _copy_attr
 
 from retarget.core.plans import Fp8Plan
+from retarget.ir.nodes import LINEAR_CALLS
 from retarget.ir.program import Program
 from retarget.ir.region import Region
 from retarget.kernels.fp8.backends import Environment, select_backend
@@ -49,8 +48,6 @@ from retarget.passes.precision.fp8_rules import (
 from retarget.targets.grammar import PARTS, Target
 
 _SCHEMA = PARTS["fp8"].options
-#: The call_function targets that compute a Linear in the graphs our frontends produce.
-LINEAR_TARGETS = (torch.ops.aten.linear.default, torch._C._nn.linear, F.linear)
 
 
 def _default(key: str) -> Any:
@@ -127,11 +124,13 @@ class SwapFp8(Pass):
     environment: ClassVar[Environment] = Environment()
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's fp8 stage: this pass when the target has an fp8 part."""
         return [cls(SwapFp8Options.from_target(target))] if "fp8" in target else []
 
     def run(self, program: Program) -> PassResult:
+        if program.analysis.fp8 is not None:  # a second run: every Linear is decided
+            return PassResult(False, notes=(f"already decided ({program.analysis.fp8['why']})",))
         options = self.options
         recipe = options.recipe()
         backend, why = select_backend(options.backend, recipe, self.environment)
@@ -240,7 +239,7 @@ def route_linears_to_modules(gm: fx.GraphModule, *, paths: frozenset[str], root:
     """
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in LINEAR_TARGETS:
+        if node.op != "call_function" or node.target not in LINEAR_CALLS:
             continue
         x, weight, bias = _linear_args(node)
         path = _owner(weight, "weight")

@@ -59,6 +59,8 @@ class DdpOptions:
     """Gradients are views into the buckets (saves one gradient-sized copy)."""
     broadcast_buffers: bool = _SCHEMA["broadcast_buffers"].default
     """Broadcast buffers (BatchNorm statistics) from rank 0 at every forward."""
+    strategy: str = "ddp"
+    """ddp or zero1: the part these options came from (zero1 shards the optimizer state too)."""
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of torch's DistributedDataParallel these options stand for.
@@ -67,6 +69,7 @@ class DdpOptions:
         are broadcast from rank 0 at every forward; init always syncs them).
         """
         kwargs = asdict(self)
+        kwargs.pop("strategy")
         sync = kwargs.pop("broadcast_buffers")
         accepted = inspect.signature(DistributedDataParallel.__init__).parameters
         key = "forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"
@@ -90,18 +93,19 @@ class ShardDdp(Pass):
     Options = DdpOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pass for the target's ddp or zero1 part (zero1 replicates with DDP); [] without."""
         part = target.get("ddp") or target.get("zero1")
-        return [] if part is None else [cls(DdpOptions(**part.as_dict()))]
+        return [] if part is None else [cls(DdpOptions(**part.as_dict(), strategy=target.strategy))]
 
     def run(self, program: Program) -> PassResult:
         world = program.world
         params = trainable_parameters(program.module)
         buckets = plan_buckets(params, self.options)
         total = sum(p.numel() for _, p in params)
+        before = program.plan.ddp
         program.plan.ddp = DdpPlan(
-            strategy=program.target.strategy,
+            strategy=self.options.strategy,
             world=world,
             options=self.options.ddp_kwargs(),
             parameters=total,
@@ -113,7 +117,7 @@ class ShardDdp(Pass):
             bucket_note(self.options),
         ]
         stats = {"world_size": world.size, "buckets": len(buckets), "parameters": total}
-        return PassResult(changed=True, stats=stats, notes=tuple(notes))
+        return PassResult(changed=program.plan.ddp != before, stats=stats, notes=tuple(notes))
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

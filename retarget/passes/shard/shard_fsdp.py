@@ -96,10 +96,6 @@ class FsdpOptions:
     """hsdp: processes per shard group (0: processes per machine)."""
     offload: bool = False
     """CPUOffloadPolicy: parameters, gradients and the optimizer step on the CPU."""
-    tp_size: int = 1
-    """fsdp+tp: the tensor-parallel degree; FSDP shards over the world / tp_size dp ranks."""
-    pp_size: int = 1
-    """fsdp+pp: the pipeline degree; FSDP shards each stage over the world / pp_size ranks."""
     pin_memory: str = "auto"
     """offload: pin the CPU copies (auto: only when an accelerator is present)."""
     load_from_rank0: bool = False
@@ -138,8 +134,6 @@ class FsdpOptions:
             "shard": values.get("shard", 0),
             "param_dtype": dtype_name(LOW_DTYPES[precision]) if precision else None,
             "reduce_dtype": REDUCE_DTYPE if precision else None,
-            "tp_size": (target.get("tp").get("size") or 1) if "tp" in target else 1,
-            "pp_size": (target.get("pp").get("size") or 0) if "pp" in target else 1,
         }
         offload = target.get("offload")
         if offload is not None:
@@ -151,13 +145,6 @@ class FsdpOptions:
                 )
             kwargs.update(offload=True, pin_memory=offload.get("pin_memory"))
         return cls(**kwargs)
-
-    def mesh_shape(self, world: World) -> tuple[int, ...]:
-        """(size,) for a 1-D mesh; (replicate, shard) for hsdp. ValueError if it does not fit."""
-        if self.strategy != "hsdp":
-            # pp[size=0] (the whole world) leaves one rank per stage
-            return (max(world.size // (self.tp_size * (self.pp_size or world.size)), 1),)
-        return world.hsdp_mesh(self.replicate, self.shard)
 
     def pin(self) -> bool:
         if self.pin_memory == "auto":
@@ -208,20 +195,28 @@ class ShardFsdp(Pass):
     Options = FsdpOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pipeline's FSDP stage: this pass when the target has a sharded strategy."""
         if not any(n in target for n in FSDP_STRATEGIES):
             return []
         return [cls(FsdpOptions.from_target(target))]
 
     def run(self, program: Program) -> PassResult:
-        world = program.world
-        mesh = self.options.mesh_shape(world)
+        world, dims = program.world, program.parallel_dims()
+        # FSDP2 shards over dp x cp (cp's ranks hold other positions, not copies); hsdp's mesh
+        # is (replicate, shard)
+        beside = dims.tp > 1 or "pp" in dims.used  # named "dp" of a (pp, dp, tp) mesh
+        mesh = (
+            (dims.dp_replicate, dims.dp_shard)
+            if self.options.strategy == "hsdp"
+            else (dims.dp_shard * dims.cp,)
+        )
         if program.plan.pp is not None:
             units, kept = stage_units(program), [PP_UNITS]
         else:
             units, kept = plan_units(program, self.options.min_params, mesh[-1])
-        program.plan.fsdp = fsdp_plan(self.options, world, mesh, units)
+        before = program.plan.fsdp
+        program.plan.fsdp = fsdp_plan(self.options, world, mesh, units, beside)
         notes = [unit_note(u, mesh) for u in units]
         notes += kept
         notes.append(mixed_precision_note(self.options))
@@ -239,7 +234,8 @@ class ShardFsdp(Pass):
                 "shards after sharding and never holds the whole model"
             )
         stats = {"units": len(units), "mesh": list(mesh), "world_size": world.size}
-        return PassResult(changed=True, stats=stats, notes=tuple(notes))
+        changed = program.plan.fsdp != before or bool(restored)
+        return PassResult(changed=changed, stats=stats, notes=tuple(notes))
 
 
 def restore_quantized(program: Program, param_dtype: str | None) -> int:
@@ -257,16 +253,18 @@ def restore_quantized(program: Program, param_dtype: str | None) -> int:
 
 
 def fsdp_plan(
-    options: FsdpOptions, world: World, mesh: tuple[int, ...], units: list[Unit]
+    options: FsdpOptions,
+    world: World,
+    mesh: tuple[int, ...],
+    units: list[Unit],
+    beside_tp_or_pp: bool = False,
 ) -> FsdpPlan:
     """program.plan.fsdp: everything the runtime needs to call fully_shard."""
     return FsdpPlan(
         strategy=options.strategy,
         world=world,
         mesh_shape=tuple(mesh),
-        mesh_dims=("dp",)
-        if options.tp_size > 1 or options.pp_size != 1
-        else ("replicate", "shard")[-len(mesh) :],
+        mesh_dims=("dp",) if beside_tp_or_pp else ("replicate", "shard")[-len(mesh) :],
         reshard_after_forward=options.reshard_after_forward,
         sync_module_states=options.sync_module_states,
         load_from_rank0=options.load_from_rank0,

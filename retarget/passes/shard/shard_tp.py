@@ -28,7 +28,8 @@ recorded on the region (autocast islands, checkpointing) are replayed on the new
 compile compiles it, once per block type. The report says which regions.
 
 Mesh: tp alone fills the world (size = processes); with fsdp/zero2/zero3 the mesh is
-(dp, tp) = (world / size, size), tp innermost, as torchtitan lays it out.
+(dp, tp) = (world / size, size), tp innermost, as torchtitan lays it out. The degree is read from
+`program.parallel_dims()` (core/parallel_dims.py checks it against the world).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class TpOptions:
     """The fsdp-family part beside tp ("" when tp runs alone)."""
     pipeline: bool = False
     """pp beside tp: each pipeline stage runs on a tp group (execution/pipeline_tp.py)."""
+    compile_backend: str = ""
+    """The backend of the compile part beside tp ("" without one): async_tp needs inductor."""
 
     @classmethod
     def from_target(cls, target: Target) -> TpOptions:
@@ -93,31 +96,8 @@ class TpOptions:
             async_tp=values["async_tp"],
             data_parallel=dp,
             pipeline="pp" in target,
+            compile_backend=target.get("compile").get("backend") if "compile" in target else "",
         )
-
-    def degree(self, world_size: int) -> int:
-        """The tp degree for a world of `world_size`; TargetNotSupportedError if it cannot be."""
-        if self.pipeline:
-            refuse_beside_pp(self)
-        if self.size == 0:
-            if self.data_parallel:
-                raise TargetNotSupportedError(
-                    f"{self.data_parallel}+tp: say the tensor-parallel degree, tp[size=N] (the "
-                    "data-parallel degree is then the processes / N)"
-                )
-            return world_size
-        if world_size > 1 and world_size % self.size:
-            raise TargetNotSupportedError(
-                f"tp[size={self.size}] does not divide the {world_size} processes"
-            )
-        beside = self.data_parallel or self.pipeline  # the rest of the world runs copies
-        if world_size > 1 and not beside and self.size != world_size:
-            raise TargetNotSupportedError(
-                f"tp[size={self.size}] alone on {world_size} processes would leave "
-                f"{world_size // self.size} copies that never synchronise: use fsdp+tp[size="
-                f"{self.size}] to shard data parallel over the rest, or tp[size={world_size}]"
-            )
-        return self.size
 
 
 class ShardTp(Pass):
@@ -131,7 +111,7 @@ class ShardTp(Pass):
     Options = TpOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         if "tp" not in target:
             return []
         return [cls(TpOptions.from_target(target))]
@@ -148,14 +128,16 @@ class ShardTp(Pass):
                 "model loaded with load_and_quantize_model): splitting its packed weight is not "
                 "implemented; shard it with fsdp instead"
             )
-        size = options.degree(program.world.size)
+        if options.pipeline:
+            refuse_beside_pp(options)
+        size = program.parallel_dims().tp  # dividing the world, filling it unless dp or pp
         plan = resolve_plan(program, options, size)
         plan = _with_counts(check_plan(program, plan), program)
         plan = dataclasses.replace(plan, async_tp=options.async_tp)
         whole: list[str] = []
         if options.pipeline:
             plan, whole = blocks_only(program, plan)
-        program.plan.tp = plan
+        changed, program.plan.tp = program.plan.tp != plan, plan
         split_regions = [] if options.pipeline else regions_holding_split_modules(program, plan)
         recaptured = [region.name for region in split_regions]
         notes = [plan.describe()]
@@ -179,9 +161,9 @@ class ShardTp(Pass):
         notes += [f"region {name}: {again}" for name in recaptured]
         # beside pp the rest is (pp x dp): split_stages says how it divides
         beside = options.data_parallel or options.pipeline
-        mesh = [program.world.size // size, size] if beside else [size]
+        mesh = [program.parallel_dims().world_size // size, size] if beside else [size]
         stats = {"size": size, "rules": len(plan.rules), "mesh": mesh}
-        return PassResult(changed=True, stats=stats, notes=tuple(notes))
+        return PassResult(changed=changed, stats=stats, notes=tuple(notes))
 
 
 def _refuse_unimplemented(options: TpOptions) -> None:
@@ -200,13 +182,11 @@ def refuse_async_tp_where_it_cannot_run(program: Program, options: TpOptions) ->
     reduce-scatter) pairs into micro-pipelined kernels over CUDA symmetric memory: without CUDA
     parameters, inductor or sequence parallelism there is nothing it can do, so it is refused
     by name rather than silently ignored."""
-    target = program.target
     devices = {p.device.type for p in program.module.parameters()}
-    compile_part = target.get("compile").as_dict() if "compile" in target else {}
     why = ""
     if devices != {"cuda"}:
         why = f"it needs CUDA (symmetric memory); the model's parameters are on {sorted(devices)}"
-    elif compile_part.get("backend", "").lower() != "inductor":
+    elif options.compile_backend.lower() != "inductor":
         why = "inductor does the overlap: add compile[backend=inductor]"
     elif not options.sequence_parallel:
         why = "it overlaps the sequence all-gathers: add sequence_parallel=true"

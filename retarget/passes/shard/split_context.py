@@ -105,20 +105,16 @@ class SplitContext(Pass):
     Options = SplitContextOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         part = target.get("cp")
         return [] if part is None else [cls(SplitContextOptions(**part.as_dict()))]
 
     def run(self, program: Program) -> PassResult:
+        if program.plan.cp is not None:  # a second run: the attention is routed, the example cut
+            return PassResult(changed=False, notes=(program.plan.cp.describe(),))
         options, world = self.options, program.world.size
-        size = options.size or world
+        size = program.parallel_dims().cp  # at least 2, dividing the world
         where = f"cp[size={size}]"
-        if size < 2 or world % size:
-            raise TargetNotSupportedError(
-                f"{where}: the context-parallel degree must be at least 2 and divide the "
-                f"{program.world.describe()}; launch a multiple of {max(size, 2)} processes "
-                "or set cp[size=...]"
-            )
         model = program.module
         config = getattr(model, "config", None)
         found = attention_modules(model)

@@ -42,10 +42,11 @@ compile[scope=whole], and compile with schedule=zero-bubble (its split backward)
 options are checked as compile_regions checks them.
 
 Refused before anything runs, naming the value: a degree that is not the world (pp alone) or
-does not divide it (fsdp+pp), fewer blocks than stages, no repeated blocks, a microbatch count
-that does not divide the example's rows, stages_per_rank=1 with a looped schedule and K > 1
-with gpipe or 1f1b, a looped schedule's microbatch count that torch's rounds do not divide, no
-example inputs (the stages are traced on a microbatch of it).
+does not divide it (fsdp+pp; `program.parallel_dims()` checks both), fewer blocks than stages,
+no repeated blocks, a microbatch count that does not divide the example's rows,
+stages_per_rank=1 with a looped schedule and K > 1 with gpipe or 1f1b, a looped schedule's
+microbatch count that torch's rounds do not divide, no example inputs (the stages are traced on
+a microbatch of it).
 
 Numerics: torch's schedules average the microbatches' gradients; with equal token counts per
 microbatch that is the whole batch's mean to float32 rounding.
@@ -54,7 +55,6 @@ microbatch that is the whole batch's mean to float32 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from retarget.core.errors import TargetNotSupportedError
 from retarget.core.plans import PpPlan
@@ -64,7 +64,6 @@ from retarget.passes.base import Numerics, Pass, PassResult, coerce_options
 from retarget.passes.compile.compile_regions import checked_options, refuse_cuda_graphs_off_cuda
 from retarget.passes.shard.stage_cuts import best_stages, repeated_blocks
 from retarget.targets.grammar import PARTS, Target
-from retarget.targets.strategies import FSDP_STRATEGIES
 
 _SCHEMA = PARTS["pp"].options
 #: Schedules that loop over several stages per rank (stages_per_rank defaults to 2 for them):
@@ -84,6 +83,14 @@ class SplitStagesOptions:
     microbatches: int = _SCHEMA["microbatches"].default
     stages_per_rank: int = _SCHEMA["stages_per_rank"].default
     cuts: str = _SCHEMA["cuts"].default
+    autocast: str | None = None
+    """bf16 beside pp: the dtype each stage's forward runs under torch.autocast in."""
+    checkpoint_every: int = 0
+    """ac beside pp: every n-th repeated block recomputed in backward (0: none)."""
+    compile: CompileOptions | None = None
+    """compile beside pp: torch.compile's options for each repeated block of a stage."""
+    beside_tp: bool = False
+    """tp beside pp: each stage's blocks split over a tp group."""
 
     def __post_init__(self) -> None:
         coerce_options(self, _SCHEMA, "pp")
@@ -100,33 +107,24 @@ class SplitStages(Pass):
     Options = SplitStagesOptions
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         part = target.get("pp")
         if part is None:
             return []
-        compile_options(target)  # refused as early as compile_regions refuses without pp
-        return [cls(SplitStagesOptions(**part.as_dict()))]
+        autocast, every, compile_part = _inside_stages(target)
+        options = SplitStagesOptions(
+            **part.as_dict(),
+            autocast=autocast,
+            checkpoint_every=every,
+            compile=compile_part,
+            beside_tp="tp" in target,
+        )
+        return [cls(options)]
 
     def run(self, program: Program) -> PassResult:
-        options, world = self.options, program.world.size
-        # tp+pp: each stage runs on the T ranks of a tp group (shard_tp ran first and planned
-        # tp[size=T]); the pipeline spans world / T
-        world //= program.plan.tp.size if program.plan.tp is not None else 1
-        size = options.size or world
+        options, dims = self.options, program.parallel_dims()
+        size = dims.pp  # at least 2, the processes over tp unless fsdp shards each stage
         where = f"pp[size={size}]"
-        sharded = any(n in program.target for n in FSDP_STRATEGIES)
-        if size < 2 or world % size or (size != world and not sharded):
-            beside = (
-                f"a divisor of the {program.world.describe()} (fsdp shards each stage over the "
-                "rest)"
-                if sharded
-                else f"the {program.world.describe()} (or add fsdp: fsdp+pp[size=N] shards "
-                "each stage over world / N ranks)"
-            )
-            raise TargetNotSupportedError(
-                f"{where}: the pipeline degree must be at least 2 and {beside}"
-                + (" (the processes over tp[size=...])" if "tp" in program.target else "")
-            )
         per_rank = _stages_per_rank(options, where)
         count = size * per_rank
         blocks = repeated_blocks(program, where)
@@ -171,8 +169,15 @@ class SplitStages(Pass):
                 f"rank): microbatches={microbatches} makes {rounds} rounds that do not divide "
                 f"it; use a multiple of {size} (pp[microbatches=...])"
             )
-        autocast, checkpoint_every, compile_kwargs = _inside_stages(program)
-        if "tp" in program.target and checkpoint_every and compile_kwargs:
+        autocast, checkpoint_every, compile_kwargs = (
+            options.autocast,
+            options.checkpoint_every,
+            None,
+        )
+        if options.compile is not None:
+            refuse_cuda_graphs_off_cuda(program, options.compile)
+            compile_kwargs = options.compile.torch_kwargs()
+        if options.beside_tp and checkpoint_every and compile_kwargs:
             raise TargetNotSupportedError(
                 f"tp+{where}+ac+compile: a compiled block that recomputes DTensor ops fails in "
                 "torch's AOT autograd (it saves the device mesh as a tensor, torch 2.13); drop "
@@ -185,6 +190,7 @@ class SplitStages(Pass):
                 "stages; drop compile or use schedule=interleaved-1f1b"
             )
         stages, inside = best_stages(program, blocks, count, size, options.cuts)
+        before = program.plan.pp
         plan = program.plan.pp = PpPlan(
             size=size,
             schedule=options.schedule,
@@ -194,22 +200,21 @@ class SplitStages(Pass):
             split_points=tuple(s.start for s in stages[1:]),
             microbatch_rows=rows // microbatches,
             tied=tied,
-            dp=world // size,
+            dp=dims.dp_shard,
             inside_blocks=inside,
             autocast=autocast,
             checkpoint_every=checkpoint_every,
             compile=compile_kwargs,
         )
         stats = {"stages": count, "imbalance": round(plan.imbalance, 3), "bubble": plan.bubble}
-        return PassResult(changed=True, stats=stats, notes=(plan.describe(),))
+        return PassResult(changed=plan != before, stats=stats, notes=(plan.describe(),))
 
 
-def _inside_stages(program: Program) -> tuple[str | None, int, dict[str, Any] | None]:
+def _inside_stages(target: Target) -> tuple[str | None, int, CompileOptions | None]:
     """What the stages run under: the autocast dtype (bf16), which blocks are recomputed (ac's
-    every; 0 without ac) and torch.compile's arguments for each block (compile). Refused: the
+    every; 0 without ac) and torch.compile's options for each block (compile). Refused: the
     options only the graph passes implement, and what compile_regions refuses."""
-    target = program.target
-    autocast, every, compile_kwargs = None, 0, None
+    autocast, every = None, 0
     bf16 = target.get("bf16")
     if bf16 is not None:
         default = PARTS["bf16"].options["keep_fp32"].default
@@ -229,11 +234,7 @@ def _inside_stages(program: Program) -> tuple[str | None, int, dict[str, Any] | 
                 "pp's stages do not run: use ac or ac[every=N]"
             )
         every = ac.get("every")
-    options = compile_options(target)
-    if options is not None:
-        refuse_cuda_graphs_off_cuda(program, options)
-        compile_kwargs = options.torch_kwargs()
-    return autocast, every, compile_kwargs
+    return autocast, every, compile_options(target)
 
 
 def compile_options(target: Target) -> CompileOptions | None:

@@ -21,20 +21,15 @@ from retarget.passes.shard.stage_cuts import repeated_blocks
 
 
 def refuse_beside_pp(options: Any) -> None:
-    """tp+pp: tp needs its size (TpOptions.degree checks that it divides the world); a stage's
-    blocks are split by DTensor's rules, which have no sequence, vocabulary or async layouts
-    (those are the region graphs' tp)."""
+    """tp+pp: a stage's blocks are split by DTensor's rules, which have no sequence, vocabulary
+    or async layouts (those are the region graphs' tp). The degree is ParallelDims' to check:
+    tp needs its size beside pp."""
     for option in ("sequence_parallel", "loss_parallel", "async_tp"):
         if getattr(options, option):
             raise TargetNotSupportedError(
                 f"tp[{option}=true]+pp: inside a pipeline stage tp splits the blocks' "
                 f"Linears only; drop {option} (or pp)"
             )
-    if options.size == 0:
-        raise TargetNotSupportedError(
-            "tp+pp: say the tensor-parallel degree, tp[size=N] (each stage runs on N "
-            "ranks; the pipeline spans the processes / N)"
-        )
 
 
 def blocks_only(program: Program, plan: TpPlan) -> tuple[TpPlan, list[str]]:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from retarget.ir.nodes import op_name, traced_value
+
 aten = torch.ops.aten
 
 
@@ -46,7 +48,7 @@ def tensor_shape(node: Any) -> tuple[int, ...] | None:
     """
     while isinstance(node, fx.Node) and "val" not in node.meta and _is_cast(node):
         node = node.args[0]  # a cast a precision pass inserted keeps its input's shape
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    value = traced_value(node)
     if not isinstance(value, torch.Tensor):
         return None
     sizes = [s if isinstance(s, int) else getattr(s.node, "hint", None) for s in value.shape]
@@ -106,7 +108,7 @@ class Tracked:
         value = self.node.args[0]
         layout = self.layout(value)
         if not isinstance(layout, Sharded):
-            raise Break(f"{op_name(self.node)} reads a sharded value in an unexpected position")
+            raise Break(f"{op_label(self.node)} reads a sharded value in an unexpected position")
         return value, layout
 
     def shapes(self, value: fx.Node) -> tuple[int, ...]:
@@ -119,8 +121,9 @@ class Tracked:
 Rule = Callable[[Tracked], Any]
 
 
-def op_name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target))
+def op_label(node: fx.Node) -> str:
+    """How a Break names a node's op: with its overload ("add.Tensor"), else the node's name."""
+    return op_name(node, overload=True) or node.name
 
 
 def wrap_dim(dim: int, rank: int) -> int:

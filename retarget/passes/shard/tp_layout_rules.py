@@ -21,7 +21,7 @@ from retarget.passes.shard.tp_layout import (
     Sharded,
     Tracked,
     Whole,
-    op_name,
+    op_label,
     tensor_shape,
     wrap_dim,
 )
@@ -54,7 +54,7 @@ def pointwise(t: Tracked) -> Sharded | None:
         if isinstance(layout, Sharded):
             dims.add(layout.dim + rank - len(t.shapes(value)))
     if len(dims) != 1:
-        raise Break(f"{op_name(t.node)} combines values sharded on different dims")
+        raise Break(f"{op_label(t.node)} combines values sharded on different dims")
     dim = dims.pop()
     for value in t.node.all_input_nodes:
         if isinstance(t.layouts.get(value), Sharded) or tensor_shape(value) is None:
@@ -63,7 +63,7 @@ def pointwise(t: Tracked) -> Sharded | None:
         local = dim - (rank - len(shape))
         if local >= 0 and shape[local] != 1:
             raise Break(
-                f"{op_name(t.node)} combines it with {value.name}, a replicated tensor of full "
+                f"{op_label(t.node)} combines it with {value.name}, a replicated tensor of full "
                 f"width {shape[local]} on the sharded dim"
             )
         if value.op == "get_attr":
@@ -160,7 +160,7 @@ def norm(t: Tracked) -> Any:
     value, layout = t.source()
     rank = len(t.shapes(value))
     if layout.dim >= rank - len(t.node.args[1]):
-        raise Break(f"{op_name(t.node)} normalises over the sharded dim")
+        raise Break(f"{op_label(t.node)} normalises over the sharded dim")
     for weight in t.node.args[2:4]:
         if isinstance(weight, fx.Node) and weight.op == "get_attr":
             t.whole_parameters.append(str(weight.target))

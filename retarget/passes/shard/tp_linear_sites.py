@@ -15,15 +15,12 @@ import torch
 from torch import fx, nn
 
 from retarget.execution.autocast import cast_weight_linear
+from retarget.ir.nodes import LINEAR_CALLS
 from retarget.passes.shard.tp_layout import CASTS
 
-#: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight.
-LINEAR_FUNCTIONS = (
-    torch.ops.aten.linear.default,
-    torch._C._nn.linear,
-    torch.nn.functional.linear,
-    cast_weight_linear,  # insert_autocast's graph form: (x, the float32 weight, bias, dtype)
-)
+#: call_function targets that compute `x @ W.T + b` with W an nn.Linear's weight: the plain
+#: ones and insert_autocast's graph form, (x, the float32 weight, bias, dtype).
+LINEAR_FUNCTIONS = (*LINEAR_CALLS, cast_weight_linear)
 #: `addmm(b, x, W)` with W of shape (in, out): HF's Conv1D (GPT-2).
 ADDMM = torch.ops.aten.addmm.default
 MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.mm.default)

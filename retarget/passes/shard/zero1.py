@@ -37,7 +37,7 @@ class ShardOptimizerState(Pass):
     provides = ("zero1",)
 
     @classmethod
-    def stage(cls, target: Target, capture: Any) -> list[Pass]:
+    def stage(cls, target: Target) -> list[Pass]:
         """The pass for the target's zero1 part, on top of shard_ddp's replication; [] without."""
         return [cls()] if "zero1" in target else []
 
@@ -45,6 +45,7 @@ class ShardOptimizerState(Pass):
         world = program.world
         params = [p for _, p in trainable_parameters(program.module)]
         shares = partition(params, world.size)
+        before = program.plan.zero1
         program.plan.zero1 = Zero1Plan(optimizer=OPTIMIZER, world=world, per_rank=tuple(shares))
         notes = (
             f"optimizer state of {sum(shares):,} parameters sharded over {world.describe()}: "
@@ -52,7 +53,8 @@ class ShardOptimizerState(Pass):
             "call runtime.prepare(optimizer): it becomes a ZeroRedundancyOptimizer of the same "
             "class and hyperparameters; an unprepared optimizer is refused at its first step",
         )
-        return PassResult(changed=True, stats={"per_rank": shares}, notes=notes)
+        changed = program.plan.zero1 != before
+        return PassResult(changed=changed, stats={"per_rank": shares}, notes=notes)
 
 
 def partition(params: list[nn.Parameter] | list[Any], world_size: int) -> list[int]:

@@ -339,7 +339,7 @@ def test_report_dict_carries_each_region_compile_entry():
 
 def test_options_reach_torch_compile_as_its_own_arguments():
     options = compile_regions.CompileRegions.stage(
-        parse_target("compile[dynamic=false,fullgraph=true,mode=max-autotune]"), None
+        parse_target("compile[dynamic=false,fullgraph=true,mode=max-autotune]")
     )[0].options
     assert options.torch_kwargs() == {
         "backend": "inductor",
@@ -348,7 +348,7 @@ def test_options_reach_torch_compile_as_its_own_arguments():
         "mode": "max-autotune",
     }
     relu = parse_target("compile[backend=relu_compile_error_testing_only]")
-    assert compile_regions.CompileRegions.stage(relu, None)[0].options.backend == (
+    assert compile_regions.CompileRegions.stage(relu)[0].options.backend == (
         "relu_compile_error_TESTING_ONLY"  # the registered spelling, whatever the case given
     )
 
