@@ -55,6 +55,6 @@ def capture_program(
         if isinstance(p, CAPTURE_STAGES)
     ]
     program = new_program(model, target, example_inputs, capture, world_size)
-    with users_hooks_set_aside(model, program.module):
+    with users_hooks_set_aside(model, program.module) as program.parked_hooks:
         PassManager(passes).run(program)
     return program

@@ -92,7 +92,8 @@ def compile_for(
     )
     program = new_program(model, target, example_inputs, capture, world_size)
     root = program.module
-    with users_hooks_set_aside(model, root):  # compile_for's probes are not the user's calls
+    # compile_for's probes are not the user's calls
+    with users_hooks_set_aside(model, root) as program.parked_hooks:
         manager.run(program)  # the whole pipeline: analyses, rewrites and plans, appliers
     warn_eager_regions(program)
     note_lonely_processes(program)

@@ -61,12 +61,13 @@ from retarget.ir.program import Program
 
 @dataclass
 class Applied:
-    """What apply_plan did to a compiled model: kind "ddp", "fsdp", "tp" or "pp", the meshes it
-    took (core.parallel_dims) and the objects it made."""
+    """What apply_plan did to a compiled model: the meshes it took (core.parallel_dims), the
+    objects it made (a DDP wrapper, FSDP2 units, tp's split modules, a pipeline run) and what
+    wraps the model, as the report says it (`wrapped`)."""
 
-    kind: str
     state: ProcessState
     meshes: Meshes
+    wrapped: str = ""
     ddp: Any = None
     hook_state: Any = None
     fsdp_modules: list[nn.Module] = field(default_factory=list)
@@ -98,6 +99,12 @@ class Applied:
     @property
     def fsdp_root(self) -> nn.Module | None:
         return self.fsdp_modules[-1] if self.fsdp_modules else None
+
+    @property
+    def syncs_data_parallel(self) -> bool:
+        """Whether a data-parallel wrapper (DDP, or FSDP2 outside a pipeline) syncs gradients
+        at backward, which accumulation holds back (the pipeline schedule syncs its stages')."""
+        return self.pipeline is None and (self.ddp is not None or self.fsdp_root is not None)
 
 
 def applied_of(module: nn.Module) -> Applied | None:
@@ -174,30 +181,10 @@ def _apply(program: Program) -> None:
 
 
 def _wrapped(applied: Applied) -> str:
-    text = _wrapper_of(applied)
+    text = applied.wrapped
     if applied.context_mesh is not None:
         text += f" + context parallel (mesh dp x cp {tuple(applied.context_mesh.shape)})"
     return text
-
-
-def _wrapper_of(applied: Applied) -> str:
-    if applied.kind == "pp":
-        run = applied.pipeline
-        text = f"pipeline stage {run.rank} of {run.plan.size} ({run.plan.schedule})"
-        if applied.meshes.has("dp"):
-            text += " + fully_shard per stage"
-        if applied.meshes.has("tp"):
-            text += " + tp over each stage's blocks"
-        if applied.mesh is not None:
-            text += f" ({applied.dims.describe()})"
-        return text
-    if applied.kind == "tp":
-        mesh = tuple(applied.mesh.shape)
-        return f"tensor parallel x {len(applied.tp_modules)} modules (mesh {mesh})"
-    if applied.kind == "ddp":
-        hook = applied.hook_state
-        return "DistributedDataParallel" + (f" + {type(hook).__name__}" if hook else "")
-    return f"fully_shard x {len(applied.fsdp_modules)} (mesh {tuple(applied.mesh.shape)})"
 
 
 # -- DDP -------------------------------------------------------------------------------------
@@ -225,11 +212,13 @@ def _apply_ddp(program: Program, state: ProcessState, meshes: Meshes) -> Applied
     ddp = DistributedDataParallel(
         DdpModule(module), device_ids=device_ids, **program.plan.ddp.options
     )
-    applied = Applied("ddp", state, meshes, ddp=ddp)
+    applied = Applied(state, meshes, wrapped="DistributedDataParallel", ddp=ddp)
     hook_plan = program.plan.comm_hook
     if hook_plan is not None:
         applied.hook_state, hook = build_hook(hook_plan)
         ddp.register_comm_hook(applied.hook_state, hook)
+        if applied.hook_state:
+            applied.wrapped += f" + {type(applied.hook_state).__name__}"
     OUTER_FORWARD.set(module, functools.partial(_through_ddp, ddp, module))
     return applied
 
@@ -261,7 +250,14 @@ def _apply_pp(program: Program, state: ProcessState, meshes: Meshes) -> Applied:
     shard = fully_shard_arguments(fsdp, meshes.fsdp()) if fsdp is not None else None
     run = apply_pipeline(program.module, program.original, pp, ids, state, meshes, shard, tp)
     mesh = meshes.mesh if len(meshes.dims.used) > 1 else None
-    return Applied("pp", state, meshes, pipeline=run, mesh=mesh)
+    text = f"pipeline stage {run.rank} of {run.plan.size} ({run.plan.schedule})"
+    if meshes.has("dp"):
+        text += " + fully_shard per stage"
+    if meshes.has("tp"):
+        text += " + tp over each stage's blocks"
+    if mesh is not None:
+        text += f" ({meshes.dims.describe()})"
+    return Applied(state, meshes, wrapped=text, pipeline=run, mesh=mesh)
 
 
 # -- tensor parallel (+ FSDP2 over dp) -------------------------------------------------------
@@ -285,7 +281,8 @@ def _apply_tp(program: Program, state: ProcessState, meshes: Meshes) -> Applied:
         done = apply_tp(program.module, tp, mesh["tp"])
         recapture_split_regions(program, tp)
         release_replaced(program.original, program.module)
-        return Applied("tp", state, meshes, mesh=mesh, tp_modules=done)
+        text = f"tensor parallel x {len(done)} modules (mesh {tuple(mesh.shape)})"
+        return Applied(state, meshes, wrapped=text, mesh=mesh, tp_modules=done)
     # Under FSDP2 the parameters tp keeps whole but reads on split heads are summed over tp
     # through Partial gradients (execution.tp_fsdp), not by apply_tp's hook on a parameter that
     # fully_shard replaces.
@@ -332,7 +329,7 @@ def _apply_fsdp(
             broadcast_module_states(program.module)
     shard_over = meshes.fsdp()
     kwargs = fully_shard_arguments(plan, shard_over, placement)
-    applied = Applied("fsdp", state, meshes, mesh=meshes.mesh if under_tp else shard_over)
+    applied = Applied(state, meshes, mesh=meshes.mesh if under_tp else shard_over)
     for unit in plan.units:
         module = program.submodule(unit.path) if unit.path else program.module
         with hooks_skip_captures(module):
@@ -341,6 +338,9 @@ def _apply_fsdp(
         # The user's model (kept for unwrap) would pin a full copy of every replaced parameter:
         # freed unit by unit, so the whole model and all shards are never alive together.
         release_replaced(program.original, program.module)
+    applied.wrapped = (
+        f"fully_shard x {len(applied.fsdp_modules)} (mesh {tuple(applied.mesh.shape)})"
+    )
     if plan.load_from_rank0:
         load_shards(program.module, full, state.device)
     if plan.state_dict == "full":

@@ -71,30 +71,33 @@ def hook_inside(module: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-#: Hook dicts whose user hooks are set aside right now: id(dict) -> the parked (key, hook) pairs.
-_PARKED: dict[int, list[tuple[int, Any]]] = {}
+#: The user's hooks one `users_hooks_set_aside` holds: id(hook dict) -> its (key, hook) pairs.
+ParkedHooks = dict[int, list[tuple[int, Any]]]
 
 
-def users_hook_kinds(module: nn.Module) -> list[str]:
-    """The kinds of user hook `module` has, counting those set aside while compile_for runs."""
+def users_hook_kinds(module: nn.Module, parked: ParkedHooks | None = None) -> list[str]:
+    """The kinds of user hook `module` has, counting those `parked` holds (compile_for's,
+    `Program.parked_hooks`, while it runs)."""
     kinds = []
     for attribute, kind in HOOK_KINDS:
         hooks = module.__dict__.get(attribute)
         if hooks is None:
             continue
-        if any(is_users(h) for h in hooks.values()) or _PARKED.get(id(hooks)):
+        if any(is_users(h) for h in hooks.values()) or (parked or {}).get(id(hooks)):
             kinds.append(kind)
     return kinds
 
 
 @contextlib.contextmanager
-def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
-    """Remove the user's hooks from every module under `roots` (and the global ones) meanwhile.
+def users_hooks_set_aside(*roots: nn.Module) -> Iterator[ParkedHooks]:
+    """Remove the user's hooks from every module under `roots` (and the global ones) meanwhile;
+    yields what it holds, by hook dict (for `users_hook_kinds`).
 
     They are put back in their registration order on exit, even on error, next to any hook
     registered in between.
     """
     parked: list[tuple[dict, list[tuple[int, Any]]]] = []
+    held: ParkedHooks = {}
     dicts = [getattr(module_globals, attribute) for attribute, _ in GLOBAL_KINDS]
     seen: set[int] = set()
     for root in roots:
@@ -108,12 +111,12 @@ def users_hooks_set_aside(*roots: nn.Module) -> Iterator[None]:
             del hooks[key]
         if users:
             parked.append((hooks, users))
-            _PARKED[id(hooks)] = users
+            held[id(hooks)] = users
     try:
-        yield
+        yield held
     finally:
+        held.clear()
         for hooks, users in parked:
-            _PARKED.pop(id(hooks), None)
             _put_back(hooks, users)
 
 

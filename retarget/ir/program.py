@@ -131,6 +131,9 @@ class Program:
     history: list[PassRecord] = field(default_factory=list)
     """One record per pass run: seconds, changed, stats, notes, the graphs after it."""
     notes: list[str] = field(default_factory=list)
+    parked_hooks: dict[int, list[tuple[int, Any]]] = field(default_factory=dict, repr=False)
+    """The user's hooks compile_for set aside while it runs (ir/hooks.py), by hook dict;
+    empty once it returned them."""
 
     def parallel_dims(self) -> ParallelDims:
         """The degrees of the target in this world, resolved and checked once, on first use

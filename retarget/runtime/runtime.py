@@ -371,10 +371,10 @@ class Runtime(ProcessStateFacade):
         )
 
     def __repr__(self) -> str:
-        kind = self.applied.kind if self.applied is not None else "none"
+        applied = self.applied.wrapped if self.applied is not None else "none"
         return (
             f"Runtime(target={self.program.target}, rank={self.rank}/{self.world_size}, "
-            f"applied={kind}, device={self.device})"
+            f"applied={applied}, device={self.device})"
         )
 
 

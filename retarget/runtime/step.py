@@ -87,9 +87,9 @@ def window_for(steps: int, done: int, end_of_data: bool) -> Window:
 @contextlib.contextmanager
 def gradient_sync(applied: Applied | None, sync: bool) -> Iterator[None]:
     """Forward and backward inside run with (sync) or without (no-sync) gradient communication."""
-    if sync or applied is None or applied.kind in ("tp", "pp"):
-        yield  # tp or pp alone: no data-parallel gradient sync to hold back
-    elif applied.kind == "ddp":
+    if sync or applied is None or not applied.syncs_data_parallel:
+        yield  # tp alone, or pp (its schedule syncs): no data-parallel sync to hold back
+    elif applied.ddp is not None:
         with applied.ddp.no_sync():
             yield
     else:

@@ -196,7 +196,7 @@ def _joinable(obj: Any) -> Any:
     applied = (
         obj.runtime.applied if isinstance(obj, nn.Module) and hasattr(obj, "runtime") else None
     )
-    if applied is not None and applied.kind == "ddp":
+    if applied is not None and applied.ddp is not None:
         return applied.ddp
     raise NotImplementedError(
         f"join_uneven_inputs cannot join {type(obj).__name__}: only a model prepared for ddp "

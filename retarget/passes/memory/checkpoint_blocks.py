@@ -246,7 +246,9 @@ def _guard_notes(program: Program, plan: dict[str, str]) -> list[str]:
         hooked = [
             name
             for name, m in module.named_modules()
-            if name and {"forward hook", "forward pre-hook"} & set(users_hook_kinds(m))
+            if name
+            and {"forward hook", "forward pre-hook"}
+            & set(users_hook_kinds(m, program.parked_hooks))
         ]
         # A user hook inside a block makes its region run eagerly (ir/hooks.py), so the
         # recompute calls the hook again whether or not the block was captured.

@@ -129,8 +129,6 @@ class SwapFp8(Pass):
         return [cls(SwapFp8Options.from_target(target))] if "fp8" in target else []
 
     def run(self, program: Program) -> PassResult:
-        if program.analysis.fp8 is not None:  # a second run: every Linear is decided
-            return PassResult(False, notes=(f"already decided ({program.analysis.fp8['why']})",))
         options = self.options
         recipe = options.recipe()
         backend, why = select_backend(options.backend, recipe, self.environment)
@@ -138,6 +136,7 @@ class SwapFp8(Pass):
         chosen = [d.path for d in decisions if d.swapped]
         devices = {program.submodule(path).weight.device for path in chosen}
         backend.check(recipe, self.environment, devices)  # refuse before touching anything
+        decided = program.analysis.fp8  # a second run finds the swapped modules (already_fp8)
         report = program.analysis.fp8 = {
             "backend": backend.name,
             "why": why,
@@ -149,6 +148,8 @@ class SwapFp8(Pass):
         stats["kept"] = dict(Counter(d.rule for d in decisions if not d.swapped))
         kept_notes = _kept_notes(decisions, options.eligibility())
         if not chosen:
+            if decided is not None:  # the first run's decisions stay the record
+                program.analysis.fp8 = decided
             what = "no eligible Linear" if decisions else "the model has no nn.Linear"
             return PassResult(False, stats, (f"{what}: nothing swapped", *kept_notes))
         kept = tuple(d.path for d in decisions if not d.swapped)
