@@ -74,11 +74,11 @@ class Applied:
     mesh: Any = None
     """The mesh the report shows: fully_shard's under fsdp alone, the whole mesh under tp or pp."""
     tp_modules: list[str] = field(default_factory=list)
-    """Paths of the modules tp split (fsdp+tp: kind "fsdp", mesh the (dp, tp) mesh)."""
+    """Paths of the modules tp split (fsdp+tp: FSDP2 units too, mesh the (dp, tp) mesh)."""
     context_mesh: Any = None
     """Under cp: the (dp, cp) mesh (DDP or FSDP2 span every rank; loaders divide over dp)."""
     pipeline: Any = None
-    """Under pp (kind "pp"): the PipelineRun (this rank's stage and the schedule)."""
+    """Under pp: the PipelineRun (this rank's stages and the schedule)."""
 
     @property
     def dims(self) -> ParallelDims:
