@@ -4,7 +4,7 @@ nothing more (a pass is a function of the program it is given, not of how often 
     program = captured("bf16")
     first = run_twice(InsertAutocast, "bf16", program)      # the first run's PassResult
 
-`captured(target)` is retarget.driver.capture_program on the tiny Llama of `tiny_llama()` (an HF
+`captured(target)` is retarget.driver.capture_program on the zoo's tiny Llama (tests/zoo.py: an HF
 LlamaForCausalLM at its default config, sizes shrunk) and its example batch; `run_twice` builds
 the pass the way the pipeline does (`stage(target)`), runs it, then runs it again and
 checks that the second run reports no change and leaves the graphs, the modules, their records
@@ -15,33 +15,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from retarget.core.module_record import record_of
 from retarget.driver.capture_program import capture_program
 from retarget.ir.program import Program
 from retarget.passes.base import Pass, PassResult
 from retarget.targets.grammar import Target
-
-
-def tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    ids = torch.randint(0, 128, (2, 16))
-    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+from tests import zoo
 
 
 def captured(target: str = "single", world_size: int = 1) -> Program:
-    model, batch = tiny_llama()
-    return capture_program(model, target, example_inputs=batch, world_size=world_size)
+    return capture_program(
+        zoo.tiny_llama(), target, example_inputs=zoo.lm_inputs(), world_size=world_size
+    )
 
 
 def snapshot(program: Program) -> dict[str, Any]:

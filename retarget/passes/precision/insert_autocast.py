@@ -155,8 +155,9 @@ class InsertAutocast(Pass):
     def run(self, program: Program) -> PassResult:
         policy = LowPrecision(self.options.torch_dtype, self.options.autocast_eval)
         dtype = str(policy.dtype).removeprefix("torch.")
+        glue = _glue_leaves(program)
         lowered = [r.name for r in program.regions if r.rewritten_by(self.name)]
-        lowered += [p for p, m in _glue_leaves(program).items() if record_of(m).autocast]
+        lowered += [p for p, m in glue.items() if record_of(m).autocast]
         if lowered:  # a second run: the casts are in place
             return PassResult(changed=False, notes=(f"already in {dtype}: {', '.join(lowered)}",))
         notes: list[str] = []
@@ -168,7 +169,6 @@ class InsertAutocast(Pass):
                 continue
             per_region[region.name] = entry
             notes.append(_region_note(region.name, entry, dtype))
-        glue = _glue_leaves(program)
         if glue:
             notes.append(_glue_note(glue, dtype))
         if not per_region and not glue:
